@@ -1,1 +1,1 @@
-"""daemon/commands package."""
+"""One module per `planaria` subcommand; see daemon/cli.py for the module contract."""
