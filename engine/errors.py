@@ -22,5 +22,66 @@ class KVCacheTooSmallError(EngineError):
     """The KV cache cannot hold even one block, or one sequence of max_model_len."""
 
 
-class EngineDeadError(EngineError):
-    """The engine core died (reported by itself or by the supervisor)."""
+
+class EngineFaultError(EngineError):
+    """An engine-level fault lost this request (engine died, stopped, or dropped its work).
+
+    The request itself is not to blame, so a frontend may replay it on another engine.
+    Every field may be None where it is not known.
+    """
+
+    _what = "fault"
+
+    def __init__(self, engine_index: int | None = None, request_id: str | None = None,
+                 reason: str = "") -> None:
+        self.engine_index = engine_index
+        self.request_id = request_id
+        self.reason = reason
+        what = f"engine {engine_index}" if engine_index is not None else "engine"
+        for_req = f" (request {request_id})" if request_id is not None else ""
+        head = f"{what} {self._what}{for_req}"
+        super().__init__(f"{head}: {reason}" if reason else head)
+
+
+class EngineHandshakeError(EngineError):
+    """An engine and a frontend do not agree (protocol version, config hash) or never met."""
+
+
+class NoEngineAvailableError(EngineError):
+    """No healthy engine can take a request right now."""
+
+
+class UtilityCallError(EngineError):
+    """A utility call reached the engine and failed there; the message is the engine's."""
+
+
+class EngineDeadError(EngineFaultError):
+    """The engine core died (reported by itself or by the supervisor).
+
+    ``EngineDeadError(engine_index, request_id, reason)``; raised promptly by every
+    in-flight ``EngineClient.generate`` on that engine.
+    """
+
+    _what = "died"
+
+
+class WireFormatError(EngineError, ValueError):
+    """A socket message is malformed: unknown type, bad schema, too large, wrong frames.
+
+    ``request_id`` is set when the message's request could still be identified, so the
+    receiver can answer that request with an error output instead of dropping it.
+    """
+
+    def __init__(self, message: str, *, msg_type: bytes | None = None,
+                 request_id: str | None = None) -> None:
+        super().__init__(message)
+        self.msg_type = msg_type
+        self.request_id = request_id
+
+
+class RequestExecutionError(EngineError):
+    """A fault inside a step that is pinned to some requests: those fail, the engine goes on."""
+
+    def __init__(self, request_ids: list[str], message: str) -> None:
+        super().__init__(message)
+        self.request_ids = list(request_ids)

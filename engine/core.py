@@ -1,0 +1,248 @@
+"""EngineCore: scheduler + KV cache + model runner, stepped by a busy loop (engine/proc.py)
+or by the offline LLM API (engine/llm.py)."""
+
+from __future__ import annotations
+
+import queue
+import time
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import structlog
+
+from engine.config import EngineConfig
+from engine.errors import EngineError, InvalidRequestError, KVCacheTooSmallError
+from engine.kv_cache_manager import KVCacheManager
+from engine.messages import EngineCoreOutput, EngineCoreRequest, SchedulerStats
+from engine.model_runner import ModelRunner
+from engine.models.loader import load_hf_config, model_fingerprint, sliding_window_limit
+from engine.request import FINISH_REASONS, Request, RequestStatus
+from engine.scheduler import Scheduler, SchedulerOutput
+
+log = structlog.get_logger("planaria.engine")
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, expert_range=None, progress=None) -> None:
+        config.validate()
+        self.config = config
+        hf_config = load_hf_config(config.model)
+        max_len = config.max_model_len or hf_config.max_position_embeddings
+        window = sliding_window_limit(hf_config)
+        if window and max_len > window:
+            log.warning("capping max_model_len to the sliding window", window=window)
+            max_len = window
+        self.runner = ModelRunner(config, max_len, expert_range, progress)
+        self.vocab_size = self.runner.spec.vocab_size
+        self.model_fingerprint = model_fingerprint(config.model)
+        self.weight_version = self.model_fingerprint
+
+        # KV sizing: an explicit figure skips profiling (a scale-up launch reuses one).
+        self.profile = None
+        if config.num_kv_blocks:
+            kv_bytes = config.num_kv_blocks * self.runner.bytes_per_block
+            self.kv_source = config.kv_source or "given"
+        elif config.kv_cache_bytes:
+            kv_bytes = config.kv_cache_bytes
+            self.kv_source = config.kv_source or "given"
+        else:
+            self.profile = self.runner.profile()
+            kv_bytes = self.profile.kv_cache_bytes
+            self.kv_source = "profiled"
+            log.info("memory profiled", budget_bytes=self.profile.budget_bytes,
+                     weights_bytes=self.profile.weights_bytes,
+                     peak_activation_bytes=self.profile.peak_activation_bytes, kv_cache_bytes=kv_bytes)
+        if kv_bytes < self.runner.bytes_per_block:
+            raise KVCacheTooSmallError(
+                f"KV cache budget {kv_bytes} bytes is below one block ({self.runner.bytes_per_block} bytes)")
+        self.num_kv_blocks = self.runner.init_kv_cache(kv_bytes)
+        self.kv_cache_bytes = self.num_kv_blocks * self.runner.bytes_per_block
+        capacity = self.num_kv_blocks * config.block_size
+        if capacity < max_len:
+            log.warning("KV cache cannot hold one max_model_len sequence; lowering max_model_len",
+                        max_model_len=max_len, kv_capacity_tokens=capacity)
+            max_len = capacity
+        self.max_model_len = max_len
+
+        self.kv = KVCacheManager(self.num_kv_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
+                                   max_len, config.scheduling_policy, config.enable_chunked_prefill)
+        self.aborts_queue: queue.Queue[list[str]] = queue.Queue()
+        self._pending_outputs: list[EngineCoreOutput] = []
+        self.step_counter = 0
+        self.batch_queue: deque[tuple[Future, SchedulerOutput]] = deque()
+        self._executor = (ThreadPoolExecutor(1, thread_name_prefix="model-exec")
+                          if config.max_concurrent_batches > 1 else None)
+
+    # -- requests ---------------------------------------------------------------------------
+    def add_request(self, ecr: EngineCoreRequest) -> None:
+        """Never raises for bad input: the request gets an error output on the next step."""
+        try:
+            req = self._make_request(ecr)
+        except InvalidRequestError as exc:
+            self._pending_outputs.append(EngineCoreOutput(
+                request_id=str(getattr(ecr, "request_id", "")), finish_reason="error", error=str(exc)))
+            return
+        self.scheduler.add_request(req)
+
+    def _make_request(self, ecr: EngineCoreRequest) -> Request:
+        rid = ecr.request_id
+        if not isinstance(rid, str) or not rid:
+            raise InvalidRequestError("request_id must be a non-empty string")
+        if rid in self.scheduler.requests:
+            raise InvalidRequestError(f"request id {rid!r} is already in use")
+        ids = ecr.prompt_token_ids
+        if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise InvalidRequestError("prompt_token_ids must be a list of integers")
+        if not ids:
+            raise InvalidRequestError("prompt is empty")
+        if len(ids) >= self.max_model_len:
+            raise InvalidRequestError(
+                f"prompt has {len(ids)} tokens; the maximum context length is {self.max_model_len} "
+                "(prompt plus at least one generated token)")
+        lo, hi = min(ids), max(ids)
+        if lo < 0 or hi >= self.vocab_size:
+            raise InvalidRequestError(f"prompt token id {lo if lo < 0 else hi} is outside the vocabulary [0, {self.vocab_size})")
+        params = ecr.sampling_params
+        params.validate(self.vocab_size, self.config.max_logprobs)
+        room = self.max_model_len - len(ids)
+        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        req = Request(rid, ids, params, ecr.eos_token_id, max_tokens,
+                      arrival_time=ecr.arrival_time or None, priority=ecr.priority)
+        if params.logprobs is not None:
+            req.output_logprobs = []
+        return req
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        for req in self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED):
+            self._pending_outputs.append(self._output(req, []))
+
+    def fail_requests(self, request_ids: list[str], error: str) -> None:
+        for req in self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ERROR):
+            req.error = error
+            self._pending_outputs.append(self._output(req, []))
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests() or bool(self._pending_outputs)
+
+    # -- stepping ---------------------------------------------------------------------------
+    def step(self) -> tuple[list[EngineCoreOutput], bool]:
+        outputs = self._take_pending()
+        if not self.scheduler.has_schedulable_requests():
+            return outputs, False
+        sched = self.scheduler.schedule()
+        if sched.empty:
+            return outputs, False
+        result = self._execute_guarded(sched)
+        self._process_aborts_queue()
+        outputs.extend(self._update(sched, result))
+        return outputs + self._take_pending(), True
+
+    def step_with_batch_queue(self) -> tuple[list[EngineCoreOutput] | None, bool]:
+        """Keep up to max_concurrent_batches in flight: schedule and submit a new batch
+        while an earlier one runs; block only when the queue is full or nothing else
+        can be scheduled."""
+        if self._executor is None:
+            return self.step()
+        outputs = self._take_pending()
+        executed = False
+        if len(self.batch_queue) < self.config.max_concurrent_batches and self.scheduler.has_schedulable_requests():
+            sched = self.scheduler.schedule()
+            if not sched.empty:
+                self.batch_queue.appendleft((self._executor.submit(self._execute_guarded, sched), sched))
+                executed = True
+                if len(self.batch_queue) < self.config.max_concurrent_batches:
+                    return outputs or None, executed
+        if not self.batch_queue:
+            return outputs or None, executed
+        future, sched = self.batch_queue.pop()
+        result = future.result()
+        self._process_aborts_queue()
+        outputs.extend(self._update(sched, result))
+        outputs.extend(self._take_pending())
+        return outputs, True
+
+    def _execute_guarded(self, sched: SchedulerOutput):
+        from engine.errors import RequestExecutionError
+
+        try:
+            return self.runner.execute(sched)
+        except RequestExecutionError as exc:
+            return exc  # applied in _update on the loop thread
+        finally:
+            self.step_counter += 1
+
+    def _update(self, sched: SchedulerOutput, result) -> list[EngineCoreOutput]:
+        from engine.errors import RequestExecutionError
+
+        if isinstance(result, RequestExecutionError):
+            failed = set(result.request_ids)
+            for sr in sched.scheduled:
+                sr.req.in_flight = False
+                if sr.req.request_id not in failed and sr.req.status == RequestStatus.RUNNING:
+                    # Roll the innocent requests back so they recompute this step.
+                    sr.req.num_computed_tokens = sr.start_pos
+            self.fail_requests(list(failed), str(result))
+            return self._take_pending()
+        sampled, logprobs = result
+        if logprobs is not None:
+            for sr, lp in zip(sched.scheduled, logprobs):
+                if lp is not None and sr.req.output_logprobs is not None:
+                    sr.req.extra["_new_logprobs"] = lp
+        touched = self.scheduler.update_from_output(sched, sampled)
+        outs = []
+        for req in touched:
+            outs.append(self._output(req, [req.output_token_ids[-1]]))
+        return outs
+
+    def _output(self, req: Request, new_tokens: list[int]) -> EngineCoreOutput:
+        reason = FINISH_REASONS.get(req.status)
+        lp = req.extra.pop("_new_logprobs", None)
+        return EngineCoreOutput(
+            request_id=req.request_id, new_token_ids=new_tokens, finish_reason=reason,
+            stop_reason=req.stop_reason if reason == "stop" else None,
+            new_logprobs=[lp] if lp is not None and new_tokens else None,
+            num_cached_tokens=req.num_cached_tokens, error=req.error,
+            weight_version=self.weight_version)
+
+    def _process_aborts_queue(self) -> None:
+        while True:
+            try:
+                ids = self.aborts_queue.get_nowait()
+            except queue.Empty:
+                return
+            self.abort_requests(ids)
+
+    def _take_pending(self) -> list[EngineCoreOutput]:
+        out, self._pending_outputs = self._pending_outputs, []
+        return out
+
+    # -- introspection ----------------------------------------------------------------------
+    def get_stats(self) -> SchedulerStats:
+        return SchedulerStats(num_running=self.scheduler.num_running, num_waiting=self.scheduler.num_waiting,
+                              kv_usage=round(self.kv.usage, 4), num_preemptions=self.scheduler.num_preemptions,
+                              prefix_cache_hit_rate=round(self.kv.prefix_cache_hit_rate, 4))
+
+    def config_hash(self) -> str:
+        return self.config.hash() + self.model_fingerprint[:8]
+
+    def kv_figures(self) -> dict:
+        d = {"kv_cache_bytes": self.kv_cache_bytes, "num_kv_blocks": self.num_kv_blocks,
+             "block_size": self.config.block_size, "kv_source": self.kv_source,
+             "max_model_len": self.max_model_len}
+        if self.profile is not None:
+            d.update(profile_s=round(self.profile.profile_s, 3),
+                     peak_activation_bytes=self.profile.peak_activation_bytes,
+                     weights_bytes=self.profile.weights_bytes)
+        return d
+
+    def reset_prefix_cache(self) -> bool:
+        return self.kv.reset_prefix_cache()
+
+    def shutdown(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=True, cancel_futures=True)
+        self.batch_queue.clear()
+
+
+__all__ = ["EngineCore", "EngineError"]

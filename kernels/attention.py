@@ -1,0 +1,106 @@
+"""Paged attention over a flat slot cache, prefill and decode mixed in one batch.
+
+Cache layout per layer: ``k_cache``/``v_cache`` of shape [num_blocks * block_size, Hkv, D];
+a token's slot is ``block_id * block_size + offset``. Every step first writes the batch's
+new K/V into its slots, then attends from the cache, so a request whose prefix was a
+prefix-cache hit (possibly computed earlier in this same batch) reads the same values.
+
+Batch order: decode sequences (one query token each) first, then prefill chunks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class PrefillSeq:
+    q_start: int  # first row of this sequence's queries in the batch
+    q_len: int
+    ctx_len: int  # tokens attended to (cached prefix + this chunk)
+    slots: torch.Tensor  # [ctx_len] int64 cache slots of tokens 0..ctx_len-1
+    mask: torch.Tensor | None  # [q_len, ctx_len] bool, None when a plain causal mask fits
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] int64: where each new token's K/V goes
+    num_decode: int = 0  # first num_decode rows are decodes
+    decode_slots: torch.Tensor | None = None  # [B, L] int64 gathered cache slots
+    decode_mask: torch.Tensor | None = None  # [B, 1, 1, L] bool (True = attend)
+    prefills: list[PrefillSeq] = field(default_factory=list)
+
+
+def build_metadata(
+    decode_block_tables: list[list[int]],
+    decode_ctx_lens: list[int],
+    prefills: list[tuple[list[int], int, int]],  # (block_ids, start_pos, q_len)
+    block_size: int,
+    device: torch.device,
+) -> AttentionMetadata:
+    slot_parts: list[torch.Tensor] = []
+    md = AttentionMetadata(slot_mapping=torch.empty(0, dtype=torch.long))
+    num_decode = len(decode_ctx_lens)
+    md.num_decode = num_decode
+    if num_decode:
+        max_ctx = max(decode_ctx_lens)
+        max_blocks = -(-max_ctx // block_size)
+        table = torch.tensor([bt[:max_blocks] + [0] * (max_blocks - min(len(bt), max_blocks))
+                              for bt in decode_block_tables], dtype=torch.long)  # [B, NB]
+        offs = torch.arange(block_size, dtype=torch.long)
+        slots = (table[:, :, None] * block_size + offs).reshape(num_decode, -1)[:, :max_ctx]  # [B, L]
+        ctx = torch.tensor(decode_ctx_lens, dtype=torch.long)
+        md.decode_slots = slots.to(device)
+        md.decode_mask = (torch.arange(max_ctx)[None, :] < ctx[:, None]).view(num_decode, 1, 1, max_ctx).to(device)
+        slot_parts.append(slots.gather(1, (ctx - 1)[:, None]).view(-1))
+    q_start = num_decode
+    for block_ids, start, q_len in prefills:
+        ctx_len = start + q_len
+        table = torch.tensor(block_ids[: -(-ctx_len // block_size)], dtype=torch.long)
+        slots = (table[:, None] * block_size + torch.arange(block_size)).view(-1)[:ctx_len]
+        mask = None
+        if start:
+            q_pos = torch.arange(start, ctx_len)[:, None]
+            mask = (torch.arange(ctx_len)[None, :] <= q_pos).to(device)  # [q_len, ctx_len]
+        md.prefills.append(PrefillSeq(q_start, q_len, ctx_len, slots.to(device), mask))
+        slot_parts.append(slots[start:])
+        q_start += q_len
+    md.slot_mapping = torch.cat(slot_parts).to(device) if slot_parts else md.slot_mapping
+    return md
+
+
+def paged_attention(
+    q: torch.Tensor,  # [T, Hq, D]
+    k: torch.Tensor,  # [T, Hkv, D]
+    v: torch.Tensor,  # [T, Hkv, D]
+    k_cache: torch.Tensor,  # [S, Hkv, D]
+    v_cache: torch.Tensor,  # [S, Hkv, D]
+    md: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:  # [T, Hq, D]
+    k_cache.index_copy_(0, md.slot_mapping, k)
+    v_cache.index_copy_(0, md.slot_mapping, v)
+    out = torch.empty_like(q)
+    B = md.num_decode
+    if B:
+        kd = k_cache[md.decode_slots].transpose(1, 2)  # [B, Hkv, L, D]
+        vd = v_cache[md.decode_slots].transpose(1, 2)
+        qd = q[:B].unsqueeze(2)  # [B, Hq, 1, D]
+        od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=md.decode_mask, scale=scale,
+                                            enable_gqa=True)  # [B, Hq, 1, D]
+        out[:B] = od.squeeze(2)
+    for p in md.prefills:
+        qs = q[p.q_start:p.q_start + p.q_len].transpose(0, 1).unsqueeze(0)  # [1, Hq, q, D]
+        if p.mask is None:  # whole context is this chunk: plain causal
+            ks = k[p.q_start:p.q_start + p.q_len].transpose(0, 1).unsqueeze(0)
+            vs = v[p.q_start:p.q_start + p.q_len].transpose(0, 1).unsqueeze(0)
+            o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=True)
+        else:
+            ks = k_cache[p.slots].transpose(0, 1).unsqueeze(0)  # [1, Hkv, ctx, D]
+            vs = v_cache[p.slots].transpose(0, 1).unsqueeze(0)
+            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=p.mask, scale=scale, enable_gqa=True)
+        out[p.q_start:p.q_start + p.q_len] = o.squeeze(0).transpose(0, 1)
+    return out
