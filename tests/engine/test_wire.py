@@ -1,0 +1,101 @@
+"""engine/wire.py: frames round-trip, aux arrays, and every malformed input is a WireFormatError."""
+
+import random
+
+import msgspec
+import pytest
+
+from engine.errors import WireFormatError
+from engine.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, Logprobs, SchedulerStats
+from engine.sampling_params import SamplingParams
+from engine.wire import (ENGINE_INPUT_TYPES, FRONTEND_INPUT_TYPES, AbortRequests, EngineDead, Hello,
+                         MsgType, UtilityCall, WireDecoder, WireEncoder, engine_identity,
+                         engine_index_of, recover_call_id)
+
+
+def _req(n_tokens=5, rid="r1"):
+    return EngineCoreRequest(request_id=rid, prompt_token_ids=list(range(n_tokens)),
+                             sampling_params=SamplingParams(max_tokens=3, temperature=0.0))
+
+
+def _bytes(frames):
+    return [bytes(f) for f in frames]
+
+
+@pytest.mark.parametrize("n_tokens", [5, 5000])
+def test_add_round_trip_inline_and_aux(n_tokens):
+    enc, dec = WireEncoder(aux_min_items=1024), WireDecoder(ENGINE_INPUT_TYPES)
+    frames = _bytes(enc.encode(MsgType.ADD, _req(n_tokens)))
+    assert len(frames) == (2 if n_tokens < 1024 else 3)
+    t, obj = dec.decode(frames)
+    assert t == MsgType.ADD and obj == _req(n_tokens)
+
+
+def test_reused_buffer_is_overwritten_but_copies_survive():
+    enc, dec = WireEncoder(), WireDecoder(ENGINE_INPUT_TYPES)
+    a = _bytes(enc.encode(MsgType.ABORT, AbortRequests(request_ids=["a"])))
+    b = _bytes(enc.encode(MsgType.ABORT, AbortRequests(request_ids=["bb"])))
+    assert dec.decode(a)[1].request_ids == ["a"] and dec.decode(b)[1].request_ids == ["bb"]
+
+
+def test_outputs_logprobs_pack_round_trip():
+    outs = EngineCoreOutputs(engine_index=2, timestamp=1.5, scheduler_stats=SchedulerStats(num_running=3),
+                             outputs=[
+        EngineCoreOutput(request_id=f"r{i}", new_token_ids=[i],
+                         new_logprobs=[Logprobs([i, 1, 2], [-0.1, -2.5, -3.25], 0)] * 400 if i % 2 else None)
+        for i in range(5)])
+    enc, dec = WireEncoder(aux_min_items=100), WireDecoder(FRONTEND_INPUT_TYPES)
+    frames = _bytes(enc.encode(MsgType.OUTPUTS, outs))
+    assert len(frames) == 5
+    assert dec.decode(frames)[1] == outs
+    small = WireEncoder(aux_min_items=10**9).encode(MsgType.OUTPUTS, outs)
+    assert len(small) == 2 and dec.decode(_bytes(small))[1] == outs
+
+
+def test_identity_round_trip():
+    assert engine_index_of(engine_identity(300)) == 300
+
+
+def test_malformed_inputs_raise_wire_format_error_only():
+    dec = WireDecoder(ENGINE_INPUT_TYPES, max_message_bytes=1 << 20)
+    enc = WireEncoder(reuse_buffer=False)
+    good = _bytes(enc.encode(MsgType.ADD, _req(2000)))
+    rng = random.Random(0)
+    cases = [[], [b""], [MsgType.HELLO, msgspec.msgpack.encode(Hello(engine_index=0, pid=1, protocol_version=1))],
+             [MsgType.WAKEUP, b"\x80"], [b"\xff", b"\x80"], [MsgType.ADD, b"\x80"],
+             [MsgType.ADD, good[1], b"abc"], [MsgType.ADD, b"x" * (2 << 20)], good + [b""]]
+    for _ in range(3000):
+        frames = list(good)
+        i = rng.randrange(len(frames))
+        buf = bytearray(frames[i])
+        for _ in range(rng.randint(1, 4)):
+            if buf:
+                buf[rng.randrange(len(buf))] = rng.randrange(256)
+        if rng.random() < 0.3:
+            buf = buf[:rng.randrange(len(buf) + 1)]
+        frames[i] = bytes(buf)
+        cases.append(frames)
+    n_ok = 0
+    for frames in cases:
+        try:
+            dec.decode(frames)
+            n_ok += 1
+        except WireFormatError:
+            pass
+    assert n_ok < len(cases)
+    with pytest.raises(WireFormatError) as info:
+        dec.decode([MsgType.ADD, msgspec.msgpack.encode({"request_id": "bad-1", "prompt_token_ids": "x"})])
+    assert info.value.request_id == "bad-1"
+
+
+def test_recover_call_id_and_dead_struct():
+    frames = [MsgType.UTILITY, msgspec.msgpack.encode({"call_id": 7, "method": 3})]
+    with pytest.raises(WireFormatError):
+        WireDecoder(ENGINE_INPUT_TYPES).decode(frames)
+    assert recover_call_id(frames) == 7
+    enc = WireEncoder()
+    t, obj = WireDecoder(FRONTEND_INPUT_TYPES).decode(_bytes(enc.encode(
+        MsgType.ENGINE_CORE_DEAD, EngineDead(engine_index=1, reason="boom"))))
+    assert obj == EngineDead(engine_index=1, reason="boom")
+    assert WireDecoder(ENGINE_INPUT_TYPES).decode(_bytes(enc.encode(
+        MsgType.UTILITY, UtilityCall(call_id=1, method="ping"))))[1].args == {}
