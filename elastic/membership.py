@@ -17,9 +17,10 @@ leadership the moment the lease it was won on is gone.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import grpc
@@ -53,7 +54,14 @@ class Membership:
         self.ttl_s = int(ttl_s)
         self.client = client_factory()
         self._clock = clock
-        self._lock = threading.RLock()        # lease state, owned keys
+        # Two locks: ``_lock`` guards fields and is never held across an RPC, so state
+        # reads never wait on etcd; ``_io_lock`` serialises writes of owned keys with
+        # lease grants and re-writes (so a re-write cannot put back a value that a
+        # concurrent put_owned just replaced). Callers wait on it for one RPC timeout
+        # at most, then get EtcdUnavailableError.
+        self._lock = threading.Lock()
+        self._io_lock = threading.RLock()
+        self._io_wait_s = float(getattr(self.client, "timeout", None) or DEFAULT_RPC_TIMEOUT_S)
         self._lease_id: int | None = None
         self._lease_valid_until = 0.0         # monotonic; conservative
         self._connected = False
@@ -133,7 +141,10 @@ class Membership:
 
     def ensure_lease(self) -> int:
         """The current lease id, granting one (and re-writing owned keys) if none."""
-        with self._lock:
+        lease_id = self._lease_id
+        if lease_id is not None:
+            return lease_id
+        with self._io("grant lease"):
             if self._lease_id is not None:
                 return self._lease_id
             sent_at = self._clock()
@@ -143,18 +154,28 @@ class Membership:
             except EtcdUnavailableError:
                 self._connected = False
                 raise
-            old, self._lease_id = self._lease_id, lease.id
-            self._lease_valid_until = sent_at + lease.ttl
+            with self._lock:
+                old, self._lease_id = self._lease_id, lease.id
+                self._lease_valid_until = sent_at + lease.ttl
+                self._needs_rewrite = True
             self._connected = True
-            self._needs_rewrite = True
             log.info("lease_granted", node_id=self.node_id, lease_id=lease.id, ttl_s=lease.ttl)
             try:
                 self._rewrite_owned(force=True)
-            except EtcdUnavailableError as exc:  # the keepalive thread finishes the job
+            except (EtcdUnavailableError, grpc.RpcError) as exc:  # keepalive finishes it
                 self._connected = False
                 log.warning("owned_keys_rewrite_failed", node_id=self.node_id, error=str(exc))
         self._notify(old, lease.id)
         return lease.id
+
+    @contextlib.contextmanager
+    def _io(self, operation: str) -> Iterator[None]:
+        if not self._io_lock.acquire(timeout=self._io_wait_s):
+            raise EtcdUnavailableError(f"{operation}: etcd busy (re-connecting)")
+        try:
+            yield
+        finally:
+            self._io_lock.release()
 
     # ----------------------------------------------------------------- owned keys
 
@@ -174,14 +195,15 @@ class Membership:
         with self._lock:
             self._owned[key] = value
             self._pending_deletes.discard(key)
-        self._put(key, value)
+        with self._io(f"put {key}"):
+            self._put(key, value)
 
     def delete_owned(self, key: str) -> None:
         with self._lock:
             self._owned.pop(key, None)
             self._pending_deletes.add(key)
         try:
-            with etcd_call(f"delete {key}"):
+            with self._io(f"delete {key}"), etcd_call(f"delete {key}"):
                 self.client.delete(key)
         except EtcdUnavailableError:
             self._connected = False
@@ -282,7 +304,7 @@ class Membership:
             self._connected = True
             if not was_connected or self._pending_deletes or self._needs_rewrite:
                 log.info("etcd_reconnected", node_id=self.node_id, lease_id=lease_id)
-                with self._lock:
+                with self._io("rewrite owned keys"):
                     self._rewrite_owned(force=self._needs_rewrite)
             return True
         except (EtcdUnavailableError, grpc.RpcError) as exc:
@@ -301,18 +323,28 @@ class Membership:
         self._notify(lease_id, None)
 
     def _rewrite_owned(self, force: bool) -> None:
-        """Re-write owned keys on the current lease; caller holds ``_lock``.
+        """Re-write owned keys on the current lease; caller holds ``_io_lock``.
 
         ``force``: put unconditionally (a new lease). Otherwise put only keys whose value
-        or lease differs, in one compare-per-key transaction each.
+        differs or is missing, in one compare-per-key transaction each. Values are read
+        under ``_lock`` key by key; ``_io_lock`` keeps concurrent writers out meanwhile.
         """
-        lease_id = self._lease_id
+        with self._lock:
+            lease_id = self._lease_id
+            deletes = sorted(self._pending_deletes)
+            keys = sorted(self._owned)
         tx = self.client.transactions
-        for key in sorted(self._pending_deletes):
+        for key in deletes:
             with etcd_call(f"delete {key}"):
                 self.client.delete(key)
-        self._pending_deletes.clear()
-        for key, value in sorted(self._owned.items()):
+            with self._lock:
+                if key not in self._owned:
+                    self._pending_deletes.discard(key)
+        for key in keys:
+            with self._lock:
+                value = self._owned.get(key)
+            if value is None:
+                continue
             with etcd_call(f"rewrite {key}"):
                 if force:
                     self.client.put(key, value, lease=lease_id)
@@ -320,9 +352,11 @@ class Membership:
                     self.client.transaction(
                         compare=[tx.value(key) == value],
                         success=[], failure=[tx.put(key, value, lease=lease_id)])
-        self._needs_rewrite = False
-        if self._owned:
-            log.info("owned_keys_rewritten", node_id=self.node_id, num_keys=len(self._owned),
+        with self._lock:
+            if self._lease_id == lease_id:
+                self._needs_rewrite = False
+        if keys:
+            log.info("owned_keys_rewritten", node_id=self.node_id, num_keys=len(keys),
                      lease_id=lease_id)
 
     def _notify(self, old: int | None, new: int | None) -> None:

@@ -171,3 +171,56 @@ def test_leader_loses_leadership_when_etcd_down_past_ttl(private_etcd, cluster):
     finally:
         e.stop()
         m.close(revoke=False)
+
+
+_ELECTOR = """
+import sys, time
+from elastic.election import LeaderElection
+from elastic.membership import Membership
+endpoint, cluster, node_id, start_at = sys.argv[1:5]
+m = Membership.from_endpoints(endpoint, cluster, node_id, ttl_s=5).start()
+m.ensure_lease()
+e = LeaderElection(m)
+time.sleep(max(0.0, float(start_at) - time.time()))
+won = e.campaign()
+print("RESULT", "won" if won else "lost", e.leader_revision, flush=True)
+sys.stdin.read()          # hold the lease until the test closes stdin
+m.close()
+"""
+
+
+def _result_line(proc) -> list[str]:
+    """The child's ``RESULT won|lost <token>`` line, skipping its log lines."""
+    for line in proc.stdout:
+        if line.startswith("RESULT "):
+            return line.split()[1:]
+    raise AssertionError(f"elector exited with {proc.wait()} without a result")
+
+
+def test_racing_processes_exactly_one_leader(etcd_server, client, cluster):
+    import os
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    start_at = time.time() + 3.0
+    procs = [subprocess.Popen(
+        [sys.executable, "-c", _ELECTOR, etcd_server.endpoint, cluster, f"p{i}", str(start_at)],
+        cwd=root, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+        text=True) for i in range(3)]
+    try:
+        lines = [_result_line(p) for p in procs]
+        assert sorted(line[0] for line in lines) == ["lost", "lost", "won"]
+        winner = next(i for i, line in enumerate(lines) if line[0] == "won")
+        value, meta = client.get(f"/planaria/{cluster}/leader")
+        assert value.decode() == f"p{winner}"
+        assert int(lines[winner][1]) == meta.create_revision
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.stdin.close()
+        for p in procs:
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
