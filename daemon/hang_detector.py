@@ -1,0 +1,80 @@
+"""Hung-engine detection from heartbeats: no step progress while work is queued.
+
+Each engine's heartbeat carries its step counter (bumped on every busy-loop step that
+did work), whether it has work queued, and a timestamp on the supervisor's monotonic
+clock (the time the heartbeat was received is the safest choice). An engine is hung
+when its latest heartbeat says it has work and its step counter has not moved for
+``hang_timeout_s`` — measured from the later of the last step change and the moment
+work arrived after an idle spell. Idle engines are never hung, however old their last
+heartbeat: a dead process is the process sentinel's business, not this detector's.
+An engine that stops sending heartbeats while it had work (frozen, SIGSTOPped, stuck
+in a collective) is caught, because the last known state is "has work, no progress".
+
+Pure logic, clock injected: the supervisor calls ``observe`` per heartbeat and
+``check(now)`` on its loop, then decides what to do with the engines it gets back.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Hashable
+
+
+@dataclass(frozen=True, slots=True)
+class Heartbeat:
+    step_counter: int
+    has_work: bool
+    timestamp: float
+
+
+@dataclass(slots=True)
+class _EngineProgress:
+    last: Heartbeat
+    progress_at: float  # when the step counter last moved, or work arrived after idle
+
+
+class HangDetector:
+    """Tracks step progress per engine id and reports the ones that are hung."""
+
+    def __init__(self, hang_timeout_s: float) -> None:
+        if hang_timeout_s <= 0:
+            raise ValueError(f"hang_timeout_s must be > 0, got {hang_timeout_s}")
+        self.hang_timeout_s = float(hang_timeout_s)
+        self._engines: dict[Hashable, _EngineProgress] = {}
+
+    def observe(self, engine_id: Hashable, step_counter: int, has_work: bool,
+                timestamp: float) -> None:
+        """Take one heartbeat. Heartbeats older than the latest one seen are ignored."""
+        beat = Heartbeat(int(step_counter), bool(has_work), float(timestamp))
+        known = self._engines.get(engine_id)
+        if known is None:
+            self._engines[engine_id] = _EngineProgress(last=beat, progress_at=beat.timestamp)
+            return
+        if beat.timestamp < known.last.timestamp:
+            return
+        # Any change counts as progress, a lower counter too (the engine was restarted).
+        stepped = beat.step_counter != known.last.step_counter
+        work_arrived = beat.has_work and not known.last.has_work
+        if stepped or work_arrived:
+            known.progress_at = beat.timestamp
+        known.last = beat
+
+    def check(self, now: float) -> list[Hashable]:
+        """Engines with work queued and no step progress for ``hang_timeout_s``."""
+        return [engine_id for engine_id, p in self._engines.items()
+                if p.last.has_work and now - p.progress_at >= self.hang_timeout_s]
+
+    def stalled_s(self, engine_id: Hashable, now: float) -> float:
+        """Seconds without progress while busy (0.0 for idle or unknown engines)."""
+        p = self._engines.get(engine_id)
+        if p is None or not p.last.has_work:
+            return 0.0
+        return max(0.0, now - p.progress_at)
+
+    def last_heartbeat(self, engine_id: Hashable) -> Heartbeat | None:
+        p = self._engines.get(engine_id)
+        return p.last if p else None
+
+    def forget(self, engine_id: Hashable) -> None:
+        """Drop an engine (it exited or was killed); a restarted one starts fresh."""
+        self._engines.pop(engine_id, None)
