@@ -1,0 +1,217 @@
+"""Request parsing, validation and conversion to SamplingParams. Pure and fast."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from frontend.errors import RequestError
+from frontend.params import fit_max_tokens, sampling_params, structured_output
+from frontend.prompts import chat_messages, tokenize_chat, tokenize_completion
+from frontend.protocol import decode_chat, decode_completion
+from tests.frontend._fakes import VOCAB, FakeTokenizer
+
+TOK = FakeTokenizer()
+
+
+def completion(**body):
+    body.setdefault("model", "m")
+    body.setdefault("prompt", "hi")
+    req = decode_completion(json.dumps(body).encode())
+    params = sampling_params(req, vocab_size=VOCAB)
+    prompts = tokenize_completion(req.prompt, TOK, VOCAB)
+    return req, params, prompts, structured_output(req)
+
+
+def chat(**body):
+    body.setdefault("model", "m")
+    body.setdefault("messages", [{"role": "user", "content": "hi"}])
+    req = decode_chat(json.dumps(body).encode())
+    params = sampling_params(req, vocab_size=VOCAB)
+    prompt = tokenize_chat(req, TOK)
+    return req, params, prompt, structured_output(req)
+
+
+def test_completion_defaults_follow_openai():
+    req, p, prompts, so = completion()
+    assert p.max_tokens == 16 and p.temperature == 1.0 and p.top_p == 1.0 and p.n == 1
+    assert p.stop == [] and p.logprobs is None and not p.ignore_eos and so is None
+    assert [x.token_ids for x in prompts] == [[ord("h"), ord("i")]] and prompts[0].text == "hi"
+
+
+def test_completion_every_field_converts():
+    _, p, _, _ = completion(
+        max_tokens=7, temperature=0.5, top_p=0.9, n=1, stream=True, stream_options={"include_usage": True},
+        stop="##", presence_penalty=0.5, frequency_penalty=-0.5, logit_bias={}, logprobs=3, seed=42,
+        user="u", echo=False, best_of=1, ignore_eos=True, min_tokens=2, top_k=5, min_p=0.1,
+        repetition_penalty=1.1, stop_token_ids=[3, 4], skip_special_tokens=False,
+        include_stop_str_in_output=True, priority=3, unknown_future_field={"x": 1})
+    assert (p.max_tokens, p.temperature, p.top_p, p.stop, p.presence_penalty, p.frequency_penalty) == \
+        (7, 0.5, 0.9, ["##"], 0.5, -0.5)
+    assert (p.logprobs, p.seed, p.ignore_eos, p.min_tokens, p.top_k, p.min_p) == (3, 42, True, 2, 5, 0.1)
+    assert (p.repetition_penalty, p.stop_token_ids, p.skip_special_tokens, p.include_stop_str_in_output) == \
+        (1.1, [3, 4], False, True)
+
+
+def test_nulls_mean_defaults():
+    _, p, _, _ = completion(temperature=None, top_p=None, max_tokens=None, stop=None, n=None, seed=None,
+                            ignore_eos=None, min_tokens=None, priority=None)
+    assert p.temperature == 1.0 and p.max_tokens == 16 and p.stop == [] and p.min_tokens == 0
+
+
+@pytest.mark.parametrize("prompt,expected", [
+    ("ab", [[97, 98]]),
+    (["ab", "c"], [[97, 98], [99]]),
+    ([5, 6, 7], [[5, 6, 7]]),
+    ([[5, 6], [7]], [[5, 6], [7]]),
+])
+def test_completion_prompt_forms(prompt, expected):
+    _, _, prompts, _ = completion(prompt=prompt)
+    assert [x.token_ids for x in prompts] == expected
+
+
+def test_chat_conversion_and_template():
+    req, p, prompt, _ = chat(messages=[
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "x"}]},
+        {"role": "tool", "content": "42", "tool_call_id": "x"},
+        {"role": "developer", "content": "d"},
+    ], max_completion_tokens=9, max_tokens=3, logprobs=True, top_logprobs=2, stop=["x", "y"])
+    assert p.max_tokens == 9 and p.logprobs == 2 and p.stop == ["x", "y"]
+    assert prompt.text == "<system>be brief\n<user>a\nb\n<assistant>\n<tool>42\n<developer>d\n<assistant>"
+    assert chat_messages(req)[3] == {"role": "tool", "content": "42", "tool_call_id": "x"}
+
+
+def test_chat_max_tokens_default_is_open_and_capped_by_context():
+    _, p, prompt, _ = chat()
+    assert p.max_tokens is None
+    fitted = fit_max_tokens(p, len(prompt.token_ids), 100)
+    assert fitted.max_tokens == 100 - len(prompt.token_ids)
+
+
+def test_chat_logprobs_false_means_none_and_true_means_zero_top():
+    assert chat(logprobs=False)[1].logprobs is None
+    assert chat(logprobs=True)[1].logprobs == 0
+
+
+def test_fit_max_tokens_caps_and_rejects():
+    _, p, _, _ = completion(max_tokens=50, min_tokens=40)
+    fitted = fit_max_tokens(p, 20, 32)
+    assert fitted.max_tokens == 12 and fitted.min_tokens == 12
+    assert fit_max_tokens(p, 2, 100).max_tokens == 50
+    for n in (32, 40):
+        with pytest.raises(RequestError) as ei:
+            fit_max_tokens(p, n, 32)
+        assert "maximum context length is 32" in ei.value.message and ei.value.code == "context_length_exceeded"
+    with pytest.raises(RequestError, match="empty"):
+        fit_max_tokens(p, 0, 32)
+
+
+def test_structured_output_pass_through():
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    so = chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}})[3]
+    assert so == {"type": "json_schema", "value": json.dumps(schema)}
+    assert chat(response_format={"type": "json_object"})[3]["type"] == "json_object"
+    assert chat(response_format={"type": "text"})[3] is None
+    assert completion(guided_json=schema)[3] == {"type": "json_schema", "value": json.dumps(schema)}
+    assert completion(guided_regex="a+")[3] == {"type": "regex", "value": "a+"}
+    assert completion(guided_choice=["y", "n"])[3] == {"type": "choice", "value": ["y", "n"]}
+    assert completion(guided_grammar="root ::= 'a'")[3] == {"type": "grammar", "value": "root ::= 'a'"}
+
+
+COMPLETION_BAD = [
+    ({"prompt": ""}, "prompt", "empty"),
+    ({"prompt": []}, "prompt", "empty"),
+    ({"prompt": [[]]}, "prompt", "empty"),
+    ({"prompt": [1, "a"]}, "prompt", "list of"),
+    ({"prompt": [1, 999]}, "prompt", "outside the vocabulary"),
+    ({"prompt": 5}, "prompt", "Expected"),
+    ({"prompt": None}, "prompt", "Expected"),
+    ({"max_tokens": 0}, "max_tokens", "at least 1"),
+    ({"max_tokens": -3}, "max_tokens", "at least 1"),
+    ({"max_tokens": "10"}, "max_tokens", "Expected `int"),
+    ({"max_tokens": 1.5}, "max_tokens", "Expected `int"),
+    ({"temperature": -1}, "temperature", ">= 0"),
+    ({"temperature": "hot"}, "temperature", "Expected"),
+    ({"top_p": 0}, "top_p", "(0, 1]"),
+    ({"top_p": 1.5}, "top_p", "(0, 1]"),
+    ({"n": 2}, "n", "n must be 1"),
+    ({"best_of": 3}, "best_of", "best_of"),
+    ({"stop": [1]}, "stop[0]", "Expected `str"),
+    ({"stop": ""}, "stop", "non-empty"),
+    ({"presence_penalty": 3}, "presence_penalty", "[-2, 2]"),
+    ({"frequency_penalty": -2.5}, "frequency_penalty", "[-2, 2]"),
+    ({"logit_bias": {"5": 10}}, "logit_bias", "not supported"),
+    ({"logprobs": 21}, "logprobs", "logprobs"),
+    ({"logprobs": True}, "logprobs", "Expected `int"),
+    ({"seed": "x"}, "seed", "Expected"),
+    ({"suffix": "tail"}, "suffix", "not supported"),
+    ({"echo": True, "logprobs": 1}, "echo", "prompt logprobs"),
+    ({"stream_options": {"include_usage": True}}, "stream_options", "stream is true"),
+    ({"top_k": -2}, "top_k", "top_k"),
+    ({"min_p": 2}, "min_p", "[0, 1]"),
+    ({"repetition_penalty": 0}, "repetition_penalty", "> 0"),
+    ({"min_tokens": 20, "max_tokens": 5}, "min_tokens", "must not exceed"),
+    ({"min_tokens": -1}, "min_tokens", "non-negative"),
+    ({"stop_token_ids": [999]}, "stop_token_ids", "outside the vocabulary"),
+    ({"stop_token_ids": ["a"]}, "stop_token_ids[0]", "Expected"),
+    ({"ignore_eos": "yes"}, "ignore_eos", "Expected"),
+    ({"response_format": {"type": "yaml"}}, "response_format", "response_format type"),
+    ({"response_format": {"type": "json_schema"}}, "response_format", "json_schema.schema"),
+    ({"guided_regex": "a", "guided_choice": ["b"]}, "response_format", "at most one"),
+    ({"guided_choice": []}, "guided_choice", "empty"),
+]
+
+
+@pytest.mark.parametrize("body,param,reason", COMPLETION_BAD, ids=[json.dumps(b) for b, _, _ in COMPLETION_BAD])
+def test_completion_bad_fields(body, param, reason):
+    with pytest.raises(RequestError) as ei:
+        completion(**body)
+    err = ei.value
+    assert err.status == 400 and err.param == param and reason in err.message
+    assert err.body()["error"]["type"] == "invalid_request_error"
+
+
+CHAT_BAD = [
+    ({"messages": []}, "messages", "empty"),
+    ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role", "role must be one of"),
+    ({"messages": [{"content": "x"}]}, "messages[0].role", "missing required field `role`"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+     "messages[0].content[0]", "only text parts"),
+    ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content", "Expected"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "not supported"),
+    ({"functions": [{"name": "f"}]}, "functions", "not supported"),
+    ({"tool_choice": "required"}, "tool_choice", "tools"),
+    ({"top_logprobs": 3}, "top_logprobs", "logprobs set to true"),
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs", "[0, 20]"),
+    ({"logprobs": 3}, "logprobs", "Expected `bool"),
+    ({"max_completion_tokens": 0}, "max_completion_tokens", "at least 1"),
+    ({"logit_bias": {"1": -100}}, "logit_bias", "not supported"),
+    ({"modalities": ["text", "audio"]}, "modalities", "text modality"),
+    ({"continue_final_message": True}, "continue_final_message", "assistant"),
+]
+
+
+@pytest.mark.parametrize("body,param,reason", CHAT_BAD, ids=[json.dumps(b) for b, _, _ in CHAT_BAD])
+def test_chat_bad_fields(body, param, reason):
+    with pytest.raises(RequestError) as ei:
+        chat(**body)
+    assert ei.value.param == param and reason in ei.value.message
+
+
+@pytest.mark.parametrize("raw,reason", [
+    (b"", "empty"), (b"   ", "empty"), (b"{", "not valid JSON"), (b"[1, 2]", "Expected `object`"),
+    (b'"prompt"', "Expected `object`"), (b"{}", "missing required field `prompt`"),
+])
+def test_bodies_that_are_not_requests(raw, reason):
+    with pytest.raises(RequestError) as ei:
+        decode_completion(raw)
+    assert reason in ei.value.message
+
+
+def test_missing_messages_names_the_field():
+    with pytest.raises(RequestError) as ei:
+        decode_chat(b'{"model": "m"}')
+    assert ei.value.param == "messages"
