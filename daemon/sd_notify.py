@@ -100,7 +100,8 @@ class Notifier:
     def reloading(self, status: str | None = None) -> bool:
         """Reload started; send ``ready()`` when it is done. systemd (v253+) wants the
         CLOCK_MONOTONIC time in microseconds alongside."""
-        lines = ["RELOADING=1", f"MONOTONIC_USEC={time.clock_gettime_ns(time.CLOCK_MONOTONIC) // 1000}"]
+        monotonic_usec = time.clock_gettime_ns(time.CLOCK_MONOTONIC) // 1000
+        lines = ["RELOADING=1", f"MONOTONIC_USEC={monotonic_usec}"]
         return self.notify(*lines, *([f"STATUS={status}"] if status is not None else []))
 
     def extend_timeout(self, seconds: float) -> bool:

@@ -7,6 +7,7 @@ import json
 import logging
 
 import pytest
+import structlog
 
 from daemon import logging as plog
 
@@ -20,6 +21,7 @@ def restore_root_logging():
         if handler not in handlers:
             root.removeHandler(handler)
     root.setLevel(level)
+    structlog.reset_defaults()
 
 
 def lines_of(stream: io.StringIO) -> list[dict]:
