@@ -43,6 +43,8 @@ class ModelRunner:
         self.num_blocks = 0
         self.sampler = Sampler()
         self.fault_next_step: str | None = None  # fault injection (engine/proc.py)
+        self.forward_s = 0.0  # cumulative time in the model forward (bench/ reads it)
+        self.last_num_tokens = 0
 
     # -- KV cache sizing -------------------------------------------------------------------
     @property
@@ -134,12 +136,17 @@ class ModelRunner:
         with torch.inference_mode():
             input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
             positions = torch.tensor(pos, dtype=torch.long, device=self.device)
+            f0 = time.perf_counter()
             hidden = self.model(input_ids, positions, self.kv_caches, md)
+            self.last_num_tokens = len(ids)
             sampled = [-1] * len(scheduled)
             logprobs = None
+            if not logit_rows:
+                self.forward_s += time.perf_counter() - f0
             if logit_rows:
                 rows = torch.tensor(logit_rows, dtype=torch.long, device=self.device)
                 logits = self.model.compute_logits(hidden.index_select(0, rows))  # [N, V]
+                self.forward_s += time.perf_counter() - f0
                 reqs: list[Request] = [scheduled[i].req for i in sample_slots]
                 smd = SamplingMetadata.build(reqs, self.spec.vocab_size, self.device)
                 out = self.sampler(logits, smd)

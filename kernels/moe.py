@@ -30,13 +30,14 @@ def grouped_expert_mlp(
 ) -> torch.Tensor:
     T, K = topk_ids.shape
     num_local = w13.shape[0]
-    out = torch.zeros_like(x)
     flat_ids = topk_ids.reshape(-1) - expert_offset  # [T*K]
     order = torch.argsort(flat_ids, stable=True)
     sorted_ids = flat_ids[order]
     counts = torch.bincount(sorted_ids.clamp(0, num_local), minlength=num_local + 1).tolist()
     token_of = order // K  # [T*K] token index of each sorted pair
     weight_of = topk_weights.reshape(-1)[order]
+    # Pair outputs in sorted order; pairs of experts not held here stay zero.
+    pair_out = x.new_zeros(T * K, x.shape[1])  # [T*K, H]
     # Pairs for experts below offset sort first (negative ids); skip them.
     start = int((sorted_ids < 0).sum()) if expert_offset else 0
     inter = w2.shape[2]
@@ -44,11 +45,12 @@ def grouped_expert_mlp(
         n = counts[e] if e else counts[0] - start
         if n <= 0:
             continue
-        tok = token_of[start:start + n]
-        xe = x.index_select(0, tok)  # [n, H]
-        gate_up = xe @ w13[e].t()  # [n, 2I]
+        xe = x.index_select(0, token_of[start:start + n])  # [n, H]
+        gate_up = F.linear(xe, w13[e])  # [n, 2I]
         h = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
-        ye = (h @ w2[e].t()) * weight_of[start:start + n, None]  # [n, H]
-        out.index_add_(0, tok, ye)
+        pair_out[start:start + n] = F.linear(h, w2[e]) * weight_of[start:start + n, None]
         start += n
-    return out
+    # Un-sort and sum each token's K expert outputs (no scatter-add).
+    unsorted = torch.empty_like(pair_out)
+    unsorted[order] = pair_out
+    return unsorted.view(T, K, -1).sum(dim=1)

@@ -142,4 +142,4 @@ class DecoderModel(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, H] -> [N, V] float32
         w = self.embed.weight if self.lm_head is None else self.lm_head.weight
-        return (hidden @ w.t()).float()
+        return F.linear(hidden, w).float()

@@ -1,0 +1,32 @@
+"""Shared fixtures: demo checkpoints built once per session, offline HF settings."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_DISABLE_UPDATE_CHECK", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+
+@pytest.fixture(scope="session")
+def demo_models(tmp_path_factory):
+    """Factory: demo_models("tiny-moe") -> path of a built checkpoint (cached per session)."""
+    from engine.demo_model import build_demo_model
+
+    root = tmp_path_factory.mktemp("models")
+    built: dict[str, str] = {}
+
+    def get(preset: str) -> str:
+        if preset not in built:
+            built[preset] = str(build_demo_model(root / preset, preset=preset, progress=lambda _: None))
+        return built[preset]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def tiny_moe(demo_models) -> str:
+    return demo_models("tiny-moe")

@@ -1,0 +1,70 @@
+"""Bad input fails only that request, with a clear reason; the rest complete."""
+
+import pytest
+
+from engine import LLM, SamplingParams
+from engine.errors import InvalidRequestError
+from engine.messages import EngineCoreRequest
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_moe):
+    return LLM(tiny_moe, kv_cache_bytes=16 * 2**20, max_model_len=512)
+
+
+GOOD = SamplingParams(temperature=0.0, max_tokens=4)
+
+
+@pytest.mark.parametrize("params, reason", [
+    (SamplingParams(max_tokens=0), "max_tokens must be at least 1"),
+    (SamplingParams(max_tokens=-3), "max_tokens must be at least 1"),
+    (SamplingParams(temperature=-0.5), "temperature must be >= 0"),
+    (SamplingParams(top_p=0.0), "top_p must be in (0, 1]"),
+    (SamplingParams(top_p=1.5), "top_p must be in (0, 1]"),
+    (SamplingParams(stop_token_ids=[999999]), "outside the vocabulary"),
+    (SamplingParams(max_tokens="7"), "max_tokens must be an integer"),
+    (SamplingParams(temperature="hot"), "temperature must be a number"),
+    (SamplingParams(top_k=-5), "top_k"),
+    (SamplingParams(logprobs=10_000), "logprobs"),
+])
+def test_bad_params_fail_only_that_request(llm, params, reason):
+    outs = llm.generate(["hello world", "def f(x):", "import os"], [GOOD, params, GOOD])
+    assert outs[1].finish_reason == "error" and reason in outs[1].error
+    assert outs[0].finish_reason == "length" and len(outs[0].token_ids) == 4
+    assert outs[2].finish_reason == "length" and len(outs[2].token_ids) == 4
+
+
+@pytest.mark.parametrize("prompt, reason", [
+    ("", "prompt is empty"),
+    ([], "prompt is empty"),
+    ([1] * 600, "maximum context length is 512"),
+    ([5, -1], "outside the vocabulary"),
+    ([5, 10**9], "outside the vocabulary"),
+    (["a", "b"], "list of integers"),
+    (3.5, "a prompt must be a string or a list of token ids"),
+])
+def test_bad_prompts_fail_only_that_request(llm, prompt, reason):
+    outs = llm.generate(["ok then", prompt], [GOOD, GOOD]) if not isinstance(prompt, float) else \
+        llm.generate(["ok then", prompt], [GOOD, GOOD])
+    assert outs[1].finish_reason == "error" and reason in outs[1].error, outs[1].error
+    assert outs[0].finish_reason == "length"
+
+
+def test_core_rejects_duplicate_ids_and_keeps_serving(llm):
+    core = llm.core
+    req = EngineCoreRequest(request_id="dup", prompt_token_ids=[5, 6, 7], sampling_params=GOOD)
+    core.add_request(req)
+    core.add_request(EngineCoreRequest(request_id="dup", prompt_token_ids=[5], sampling_params=GOOD))
+    finished = {}
+    while core.has_unfinished_requests():
+        outs, _ = core.step()
+        for o in outs:
+            if o.finished:
+                finished.setdefault(o.request_id, []).append(o)
+    assert [o.finish_reason for o in finished["dup"]] == ["error", "length"]
+    assert "already in use" in finished["dup"][0].error
+
+
+def test_sampling_params_validate_raises_typed_error():
+    with pytest.raises(InvalidRequestError, match="min_tokens"):
+        SamplingParams(min_tokens=5, max_tokens=2).validate()
