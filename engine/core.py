@@ -92,6 +92,18 @@ class EngineCore:
         if rid in self.scheduler.requests:
             raise InvalidRequestError(f"request id {rid!r} is already in use")
         ids = ecr.prompt_token_ids
+        self.check_prompt(ids)
+        params = ecr.sampling_params
+        params.validate(self.vocab_size, self.config.max_logprobs)
+        room = self.max_model_len - len(ids)
+        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        req = Request(rid, ids, params, ecr.eos_token_id, max_tokens,
+                      arrival_time=ecr.arrival_time or None, priority=ecr.priority)
+        if params.logprobs is not None:
+            req.output_logprobs = []
+        return req
+
+    def check_prompt(self, ids) -> None:
         if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
             raise InvalidRequestError("prompt_token_ids must be a list of integers")
         if not ids:
@@ -102,16 +114,8 @@ class EngineCore:
                 "(prompt plus at least one generated token)")
         lo, hi = min(ids), max(ids)
         if lo < 0 or hi >= self.vocab_size:
-            raise InvalidRequestError(f"prompt token id {lo if lo < 0 else hi} is outside the vocabulary [0, {self.vocab_size})")
-        params = ecr.sampling_params
-        params.validate(self.vocab_size, self.config.max_logprobs)
-        room = self.max_model_len - len(ids)
-        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
-        req = Request(rid, ids, params, ecr.eos_token_id, max_tokens,
-                      arrival_time=ecr.arrival_time or None, priority=ecr.priority)
-        if params.logprobs is not None:
-            req.output_logprobs = []
-        return req
+            raise InvalidRequestError(
+                f"prompt token id {lo if lo < 0 else hi} is outside the vocabulary [0, {self.vocab_size})")
 
     def abort_requests(self, request_ids: list[str]) -> None:
         for req in self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED):

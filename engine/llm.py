@@ -95,6 +95,7 @@ class LLM:
             text = prompt if isinstance(prompt, str) else None
             try:
                 ids = self._tokenize(prompt)
+                self.core.check_prompt(ids)
             except InvalidRequestError as exc:
                 outputs[rid] = RequestOutput(rid, text, [], finish_reason="error", error=str(exc))
                 continue
