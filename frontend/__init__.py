@@ -7,6 +7,8 @@ through ``engine.client.EngineClient``, detokenizes and streams.
     logprobs.py    engine Logprobs -> the two OpenAI logprobs formats     pure
     generation.py  the one place that calls client.generate (journal goes here later)
     responses.py   OpenAI response and chunk bodies                       pure
+    serving.py     the two generation endpoints: JSON bodies and SSE
+    errors.py      FrontendError tree -> OpenAI error bodies (status, type, param, code)
     metrics.py     Prometheus text exposition, written by hand            pure
     server.py      aiohttp routes and SSE
     main.py        ``python -m frontend.main``
