@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -101,6 +102,7 @@ def stack(tmp_path_factory):
         code = _stop(s.frontend)
         for e in s.engines:
             _stop(e)
+        shutil.rmtree(s.runtime, ignore_errors=True)
         assert code == 0, f"frontend exited {code} on SIGTERM\n{s.log()}"
 
 
