@@ -17,7 +17,9 @@ from engine.messages import EngineCoreOutput, EngineCoreRequest, SchedulerStats
 from engine.model_runner import ModelRunner
 from engine.models.loader import load_hf_config, model_fingerprint, sliding_window_limit
 from engine.request import FINISH_REASONS, Request, RequestStatus
+from engine.sampling_metadata import PRIOR_OUTPUT_TOKENS_KEY
 from engine.scheduler import Scheduler, SchedulerOutput
+from engine.structured_output import StructuredOutputManager
 
 log = structlog.get_logger("planaria.engine")
 
@@ -58,6 +60,11 @@ class EngineCore:
         self.num_kv_blocks = self.runner.init_kv_cache(kv_bytes)
         self.kv_cache_bytes = self.num_kv_blocks * self.runner.bytes_per_block
         capacity = self.num_kv_blocks * config.block_size
+        if capacity < max_len and config.strict_max_model_len:
+            raise KVCacheTooSmallError(
+                f"KV cache holds {capacity} tokens ({self.num_kv_blocks} blocks of {config.block_size}), "
+                f"below max_model_len={max_len}; lower max_model_len, raise the KV budget, or unset "
+                "strict_max_model_len to let the engine lower max_model_len to fit")
         if capacity < max_len:
             log.warning("KV cache cannot hold one max_model_len sequence; lowering max_model_len",
                         max_model_len=max_len, kv_capacity_tokens=capacity)
@@ -67,9 +74,12 @@ class EngineCore:
         self.kv = KVCacheManager(self.num_kv_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
                                    max_len, config.scheduling_policy, config.enable_chunked_prefill)
+        self.structured = StructuredOutputManager(config.tokenizer or config.model, self.vocab_size)
+        self.runner.structured = self.structured  # grammar bitmasks, filled during the forward
         self.aborts_queue: queue.Queue[list[str]] = queue.Queue()
         self._pending_outputs: list[EngineCoreOutput] = []
         self.step_counter = 0
+        self._inflight: SchedulerOutput | None = None
         self.batch_queue: deque[tuple[Future, SchedulerOutput]] = deque()
         self._executor = (ThreadPoolExecutor(1, thread_name_prefix="model-exec")
                           if config.max_concurrent_batches > 1 else None)
@@ -99,8 +109,16 @@ class EngineCore:
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         req = Request(rid, ids, params, ecr.eos_token_id, max_tokens,
                       arrival_time=ecr.arrival_time or None, priority=ecr.priority)
+        prior = ecr.num_prior_output_tokens
+        if prior:
+            if not isinstance(prior, int) or isinstance(prior, bool) or not 0 < prior < len(ids):
+                raise InvalidRequestError(
+                    f"num_prior_output_tokens must be in [0, {len(ids) - 1}], got {prior!r}")
+            req.extra[PRIOR_OUTPUT_TOKENS_KEY] = prior
         if params.logprobs is not None:
             req.output_logprobs = []
+        if ecr.structured_output is not None:  # waits as WAITING_FOR_GRAMMAR until compiled
+            self.structured.submit(req, ecr.structured_output, ecr.structured_output_prefix_tokens)
         return req
 
     def check_prompt(self, ids) -> None:
@@ -130,17 +148,38 @@ class EngineCore:
         return self.scheduler.has_unfinished_requests() or bool(self._pending_outputs)
 
     # -- stepping ---------------------------------------------------------------------------
-    def step(self) -> tuple[list[EngineCoreOutput], bool]:
+    def step(self, force_forward: bool = False) -> tuple[list[EngineCoreOutput], bool]:
+        """One scheduling step. ``force_forward`` (expert parallelism): run a forward even
+        when nothing is schedulable, so every rank joins the step's collectives."""
         outputs = self._take_pending()
-        if not self.scheduler.has_schedulable_requests():
+        if self.structured.num_pending:
+            outputs.extend(self._poll_grammars())
+        sched = self.scheduler.schedule() if self.scheduler.has_schedulable_requests() else None
+        if sched is None or sched.empty:
+            if force_forward:
+                self.runner.execute_dummy()
+                self.step_counter += 1
+                return outputs, True
             return outputs, False
-        sched = self.scheduler.schedule()
-        if sched.empty:
-            return outputs, False
+        self._inflight = sched
         result = self._execute_guarded(sched)
+        self._inflight = None
         self._process_aborts_queue()
         outputs.extend(self._update(sched, result))
         return outputs + self._take_pending(), True
+
+    def recover_after_fault(self) -> None:
+        """After an engine-level fault inside a step: roll the in-flight batch back so its
+        requests recompute that step (their KV for it may be partly written)."""
+        for sched in [self._inflight] + [s for _, s in self.batch_queue]:
+            if sched is None:
+                continue
+            for sr in sched.scheduled:
+                sr.req.in_flight = False
+                if sr.req.status == RequestStatus.RUNNING and sr.req.num_computed_tokens > sr.start_pos:
+                    sr.req.num_computed_tokens = sr.start_pos
+        self._inflight = None
+        self.batch_queue.clear()
 
     def step_with_batch_queue(self) -> tuple[list[EngineCoreOutput] | None, bool]:
         """Keep up to max_concurrent_batches in flight: schedule and submit a new batch
@@ -149,6 +188,8 @@ class EngineCore:
         if self._executor is None:
             return self.step()
         outputs = self._take_pending()
+        if self.structured.num_pending:
+            outputs.extend(self._poll_grammars())
         executed = False
         if len(self.batch_queue) < self.config.max_concurrent_batches and self.scheduler.has_schedulable_requests():
             sched = self.scheduler.schedule()
@@ -194,6 +235,9 @@ class EngineCore:
                 if lp is not None and sr.req.output_logprobs is not None:
                     sr.req.extra["_new_logprobs"] = lp
         touched = self.scheduler.update_from_output(sched, sampled)
+        for req in touched:
+            if req.structured is not None and req.status == RequestStatus.RUNNING:
+                self._advance_grammar(req)
         outs = []
         for req in touched:
             outs.append(self._output(req, [req.output_token_ids[-1]]))
@@ -208,6 +252,31 @@ class EngineCore:
             new_logprobs=[lp] if lp is not None and new_tokens else None,
             num_cached_tokens=req.num_cached_tokens, error=req.error,
             weight_version=self.weight_version)
+
+    def _poll_grammars(self) -> list[EngineCoreOutput]:
+        """Compiled grammars join the waiting queue; failed ones end their request."""
+        ready, failed = self.structured.take_ready()
+        for req in ready:
+            if req.status != RequestStatus.WAITING_FOR_GRAMMAR:
+                continue  # aborted while compiling
+            if req.structured.done:  # a replay prefix already completed the grammar
+                self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_STOPPED)
+                self._pending_outputs.append(self._output(req, []))
+            else:
+                self.scheduler.grammar_ready(req)
+        for req in failed:
+            if req.status == RequestStatus.WAITING_FOR_GRAMMAR:
+                self.fail_requests([req.request_id], req.structured.error)
+        return self._take_pending()
+
+    def _advance_grammar(self, req: Request) -> None:
+        verdict = self.structured.accept(req, req.output_token_ids[-1])
+        if verdict == "stop":
+            req.stop_reason = None
+            self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_STOPPED)
+        elif verdict is not None:
+            self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_ERROR)
+            req.error = verdict
 
     def _process_aborts_queue(self) -> None:
         while True:
@@ -247,6 +316,16 @@ class EngineCore:
         if self._executor is not None:
             self._executor.shutdown(wait=True, cancel_futures=True)
         self.batch_queue.clear()
+        self.structured.shutdown()
 
 
-__all__ = ["EngineCore", "EngineError"]
+def create_engine_core(config: EngineConfig, expert_range=None, progress=None):
+    """EngineCore, or PoolingEngineCore for runner_type "pooling" (or a BertModel checkpoint)."""
+    from engine.pooling import PoolingEngineCore, is_pooling_model
+
+    if is_pooling_model(config):
+        return PoolingEngineCore(config, expert_range, progress)
+    return EngineCore(config, expert_range, progress)
+
+
+__all__ = ["EngineCore", "EngineError", "create_engine_core"]

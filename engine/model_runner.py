@@ -45,6 +45,7 @@ class ModelRunner:
         self.fault_next_step: str | None = None  # fault injection (engine/proc.py)
         self.forward_s = 0.0  # cumulative time in the model forward (bench/ reads it)
         self.last_num_tokens = 0
+        self.structured = None  # engine.structured_output.StructuredOutputManager (EngineCore sets it)
 
     # -- KV cache sizing -------------------------------------------------------------------
     @property
@@ -99,8 +100,6 @@ class ModelRunner:
         fault, self.fault_next_step = self.fault_next_step, None
         if fault == "fatal":
             raise RuntimeError("injected fatal fault")
-        if fault == "request" and sched.scheduled:
-            raise RequestExecutionError([sched.scheduled[0].req.request_id], "injected request fault")
         scheduled = sched.scheduled
         # Decodes (one new token, some context) first, then prefill chunks.
         decode_idx = [i for i, s in enumerate(scheduled) if s.num_tokens == 1 and s.start_pos > 0]
@@ -136,9 +135,14 @@ class ModelRunner:
         with torch.inference_mode():
             input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
             positions = torch.tensor(pos, dtype=torch.long, device=self.device)
+            # grammar masks fill on a thread while the model runs (None: no grammar in the batch)
+            grammar = (self.structured.start_bitmask([scheduled[i].req for i in sample_slots])
+                       if self.structured is not None and sample_slots else None)
             f0 = time.perf_counter()
             hidden = self.model(input_ids, positions, self.kv_caches, md)
             self.last_num_tokens = len(ids)
+            if fault == "request" and scheduled:  # after the forward: EP peers stay in step
+                raise RequestExecutionError([scheduled[0].req.request_id], "injected request fault")
             sampled = [-1] * len(scheduled)
             logprobs = None
             if not logit_rows:
@@ -146,6 +150,8 @@ class ModelRunner:
             if logit_rows:
                 rows = torch.tensor(logit_rows, dtype=torch.long, device=self.device)
                 logits = self.model.compute_logits(hidden.index_select(0, rows))  # [N, V]
+                if grammar is not None:
+                    grammar.apply(logits)
                 self.forward_s += time.perf_counter() - f0
                 reqs: list[Request] = [scheduled[i].req for i in sample_slots]
                 smd = SamplingMetadata.build(reqs, self.spec.vocab_size, self.device)
@@ -161,3 +167,18 @@ class ModelRunner:
                     for j, i in enumerate(sample_slots):
                         logprobs[i] = out.logprobs[j]
         return sampled, logprobs
+
+    def execute_dummy(self) -> None:
+        """A forward over zero tokens: an idle expert-parallel rank still takes part in
+        every collective of the step, so its peers never wait on it."""
+        md = build_metadata([], [], [], self.block_size, self.device)
+        with torch.inference_mode():
+            empty = torch.empty(0, dtype=torch.long, device=self.device)
+            self.model(empty, empty, self.kv_caches, md)
+
+    def reload_experts(self, expert_range: tuple[int, int]) -> int:
+        """Re-home experts: load [start, end) of every MoE layer from the checkpoint.
+        Returns the bytes read."""
+        from engine.models.loader import load_expert_weights
+
+        return load_expert_weights(self.model, self.config.model, self.spec, self.dtype, self.device, expert_range)

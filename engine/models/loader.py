@@ -185,6 +185,22 @@ def _load_experts(rd: _Reader, spec: ModelSpec, p: str, o: str, dtype, start: in
     return out
 
 
+def load_expert_weights(model, model_dir: str, spec: ModelSpec, dtype, device, expert_range: tuple[int, int]) -> int:
+    """Replace every MoE layer's local experts with [start, end) read from the checkpoint."""
+    start, end = expert_range
+    rd = _Reader(Path(model_dir))
+    for i, layer in enumerate(model.layers):
+        if i not in spec.sparse_layers:
+            continue
+        p, o = f"model.layers.{i}.", f"layers.{i}."
+        st = _load_experts(rd, spec, p, o, dtype, start, end)
+        moe = layer.mlp
+        moe.w13 = torch.nn.Parameter(st[o + "mlp.w13"].to(device), requires_grad=False)
+        moe.w2 = torch.nn.Parameter(st[o + "mlp.w2"].to(device), requires_grad=False)
+        moe.expert_start, moe.expert_end = start, end
+    return rd.num_bytes
+
+
 def model_fingerprint(model_dir: str) -> str:
     """Stable id of a checkpoint: config plus weight file names and sizes."""
     import hashlib
