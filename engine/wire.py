@@ -185,7 +185,7 @@ def engine_index_of(identity: bytes) -> int:
 class WireEncoder:
     """Encodes ``(type, struct)`` into frames. One per thread.
 
-    With ``reuse_buffer`` the payload frame is a view of a buffer reused by the next call:
+    With ``reuse_buffer`` the payload frame is a bytearray reused by the next call:
     send it (copying, ``copy=True``) before encoding again. Aux frames are fresh arrays, safe
     to send with ``copy=False``.
     """
@@ -196,11 +196,12 @@ class WireEncoder:
         self._buf = bytearray() if reuse_buffer else None
         self.aux_min_items = aux_min_items
 
-    def _payload(self, obj: Any) -> bytes | memoryview:
+    def _payload(self, obj: Any) -> bytes | bytearray:
         if self._buf is None:
             return self._enc.encode(obj)
+        # the bytearray itself, never a memoryview of it: an export would pin its size
         self._enc.encode_into(obj, self._buf)
-        return memoryview(self._buf)
+        return self._buf
 
     def encode(self, msg_type: bytes, obj: Any) -> list:
         if msg_type == MsgType.ADD and len(obj.prompt_token_ids) >= self.aux_min_items:
@@ -262,11 +263,12 @@ class WireDecoder:
     def decode(self, frames: list) -> tuple[bytes, Any]:
         if len(frames) < 2:
             raise WireFormatError(f"expected [type, payload, ...], got {len(frames)} frame(s)")
+        msg_type = bytes(frames[0])
         size = sum(memoryview(f).nbytes for f in frames)
         if size > self.max_message_bytes:
             raise WireFormatError(f"message of {size} bytes exceeds the limit of "
-                                  f"{self.max_message_bytes} bytes", request_id=_recover_id(frames))
-        msg_type = bytes(frames[0])
+                                  f"{self.max_message_bytes} bytes", msg_type=msg_type,
+                                  request_id=_recover_id(frames))
         decoder = self._decoders.get(msg_type)
         if decoder is None:
             raise WireFormatError(f"unknown or unexpected message type {msg_type[:8]!r}")

@@ -99,3 +99,9 @@ def test_recover_call_id_and_dead_struct():
     assert obj == EngineDead(engine_index=1, reason="boom")
     assert WireDecoder(ENGINE_INPUT_TYPES).decode(_bytes(enc.encode(
         MsgType.UTILITY, UtilityCall(call_id=1, method="ping"))))[1].args == {}
+
+
+def test_reused_buffer_survives_live_references():
+    enc = WireEncoder()
+    kept = [enc.encode(MsgType.ABORT, AbortRequests(request_ids=["x" * n])) for n in (1, 500, 2)]
+    assert len(kept) == 3  # no BufferError while earlier frames are still referenced
