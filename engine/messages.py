@@ -22,6 +22,9 @@ class EngineCoreRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
     client_index: int = 0  # which frontend gets the outputs
     # Structured output spec, e.g. {"type": "json_schema", "value": "..."} (issue 6).
     structured_output: dict | None = None
+    # A replay (frontend/journal.py): the last N prompt tokens are output the request already
+    # produced elsewhere; seeded sampling and presence/frequency penalties count them as output.
+    num_prior_output_tokens: int = 0
 
 
 class Logprobs(msgspec.Struct, array_like=True):

@@ -2,10 +2,16 @@
 
 ``Generator.generate(request)`` turns the engine's token outputs into text deltas
 (incremental detokenizer, stop strings), records latency metrics, and turns engine
-failures into frontend errors. A ``RequestJournal`` that replays a request on a surviving
-engine (prompt + tokens emitted so far, remaining max_tokens) belongs exactly here: it
-would catch ``EngineFaultError`` inside ``_engine_outputs`` and resubmit, and the HTTP
-layer above would never notice.
+failures into frontend errors.
+
+Engine faults are invisible above this module: ``_engine_outputs`` journals every request
+(frontend/journal.py) and, when its engine dies (``EngineFaultError``), resubmits it to a
+healthy engine as prompt + tokens already streamed with the remaining budget, and goes on
+yielding outputs from there; the detokenizer is the same one throughout, so the client's
+stream has no gap and no repeat. When no engine is running, a replay waits up to
+``replay_wait_s`` for one to come back (the supervisor restarts engines). Past the replay
+limit, or with no engine back in time, the request ends with a 503 (an SSE error event
+once streaming). A new request that finds no running engine still gets 503 at once.
 
 Leaving the iteration early (client disconnect, stop string) closes the engine stream,
 which aborts the request in the engine (``EngineClient.generate``'s contract).
@@ -13,15 +19,22 @@ which aborts the request in the engine (``EngineClient.generate``'s contract).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable
 
-from engine.errors import EngineFaultError, NoEngineAvailableError
+from engine.errors import EngineFaultError, EngineHandshakeError, NoEngineAvailableError
 from engine.messages import EngineCoreOutput, EngineCoreRequest, Logprobs
 from engine.sampling_params import SamplingParams
 from frontend.errors import EngineRequestError, FrontendError, RequestError, ServiceUnavailableError
+from frontend.journal import GiveUp, RequestJournal
+
+log = logging.getLogger(__name__)
+
+DEFAULT_REPLAY_WAIT_S = 30.0
 
 # make_detokenizer(prompt_token_ids, params) -> an object with update(ids) -> stop str | None,
 # get_delta_text() -> str, flush() (see engine/detokenizer.py)
@@ -52,26 +65,86 @@ class _Timing:
 
 class Generator:
     def __init__(self, client, make_detokenizer: DetokenizerFactory, metrics=None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, journal: RequestJournal | None = None,
+                 replay_wait_s: float = DEFAULT_REPLAY_WAIT_S) -> None:
         self._client = client
         self._make_detokenizer = make_detokenizer
         self._metrics = metrics
         self._clock = clock
+        self.journal = journal if journal is not None else RequestJournal(clock=clock)
+        self.replay_wait_s = replay_wait_s
+        listeners = getattr(client, "loss_listeners", None)
+        if listeners is not None:  # the death notice's own time starts the replay clock
+            listeners.append(self._on_engine_lost)
+
+    def _on_engine_lost(self, engine_index: int, reason: str) -> None:
+        engine_of = getattr(self._client, "engine_of", None)
+        if engine_of is not None:
+            for rid in self.journal.request_ids():
+                entry = self.journal.get(rid)
+                if entry.engine_index is None and entry.lost_at_s is None:
+                    self.journal.on_submitted(rid, engine_of(entry.engine_request_id))
+        self.journal.on_engine_dead(engine_index)
 
     async def _engine_outputs(self, request: EngineCoreRequest) -> AsyncIterator[EngineCoreOutput]:
-        """The engine's outputs for ``request``; faults become frontend errors (the journal's seam)."""
+        """The engine's outputs for ``request``, across engine faults (replayed elsewhere);
+        a fault that cannot be replayed becomes a frontend error."""
+        journal, rid = self.journal, request.request_id
+        entry = journal.open(request)
+        current = request
+        replay_deadline = None  # loop time by which a replay must have found an engine
         try:
-            async with contextlib.aclosing(self._client.generate(request)) as outs:
-                async for out in outs:
-                    yield out
-        except NoEngineAvailableError as exc:
-            self._error("no_engine")
-            raise ServiceUnavailableError(f"no engine can take the request now: {exc}",
-                                          code="no_engine_available") from exc
-        except EngineFaultError as exc:
-            self._error("engine_dead")
-            raise ServiceUnavailableError(f"the engine serving this request failed: {exc}",
-                                          code="engine_dead") from exc
+            while True:
+                try:
+                    async with contextlib.aclosing(self._client.generate(current)) as outs:
+                        async for out in outs:
+                            if out.new_token_ids:
+                                latency_s = journal.on_replay_token(rid)
+                                if latency_s is not None and self._metrics is not None:
+                                    self._metrics.record_replay_latency(latency_s)
+                                journal.on_tokens(rid, out.new_token_ids)
+                            yield out
+                    return
+                except NoEngineAvailableError as exc:
+                    if replay_deadline is None:  # a new request: say so at once
+                        self._error("no_engine")
+                        raise ServiceUnavailableError(f"no engine can take the request now: {exc}",
+                                                      code="no_engine_available") from exc
+                    if not await self._wait_for_engine(replay_deadline):
+                        self._error("no_engine")
+                        raise ServiceUnavailableError(
+                            f"the request's engine failed and no engine came back within "
+                            f"{self.replay_wait_s} s: {exc}", code="no_engine_available") from exc
+                except EngineFaultError as exc:
+                    action = journal.decide(rid)
+                    if isinstance(action, GiveUp):
+                        self._error(action.code)
+                        raise ServiceUnavailableError(f"the engine serving this request failed: {exc}; "
+                                                      f"{action.reason}", code="engine_dead") from exc
+                    log.info("replaying %s as %s after %d token(s): %s", rid, action.request.request_id,
+                             entry.num_output_tokens, exc)
+                    current = action.request
+                    replay_deadline = asyncio.get_running_loop().time() + self.replay_wait_s
+                    if self._metrics is not None:
+                        self._metrics.record_replay()
+        finally:
+            journal.close(rid)
+
+    async def _wait_for_engine(self, deadline: float) -> bool:
+        """Until some engine runs (True) or the loop time ``deadline`` passes (False)."""
+        loop = asyncio.get_running_loop()
+        wait = getattr(self._client, "wait_for_engines", None)
+        while not any(e.healthy for e in self._client.engines):
+            left = deadline - loop.time()
+            if left <= 0:
+                return False
+            try:
+                if wait is None:
+                    raise EngineHandshakeError("no waiter")
+                await wait(1, min(left, 1.0))
+            except EngineHandshakeError:  # timed out, or a refused engine: look again soon
+                await asyncio.sleep(min(left, 0.05))
+        return True
 
     async def generate(self, request: EngineCoreRequest) -> AsyncIterator[GenerationDelta]:
         params = request.sampling_params

@@ -3,11 +3,15 @@
 Request-side figures are recorded by ``frontend.generation``; engine-side gauges are read
 from ``EngineClient.engines`` when scraped. Engine deaths are counted from what the
 client shows: an engine seen entering "dead", or coming back with a new pid, died once.
+Replays (frontend/journal.py): a counter, the replay latency (the loss notice to the
+replayed request's first token), and wall-clock timestamps of the last death notice, READY,
+replay start and replay first token, so a benchmark can line them up with a kill's time.
 """
 
 from __future__ import annotations
 
 import math
+import time
 from typing import Iterable
 
 PREFIX = "planaria"
@@ -92,6 +96,13 @@ class FrontendMetrics:
         self.prompt_tokens = LabeledCounter(f"{p}_prompt_tokens_total", "Prompt tokens of finished requests.")
         self.generation_tokens = LabeledCounter(f"{p}_generation_tokens_total", "Tokens generated.")
         self.engine_deaths = LabeledCounter(f"{p}_engine_deaths_total", "Engine deaths seen by this frontend.")
+        self.replays = LabeledCounter(f"{p}_request_replays_total",
+                                      "Requests resubmitted to another engine after an engine fault.")
+        self.replay_latency = Histogram(f"{p}_replay_latency_seconds",
+                                        "Time from an engine loss notice to the replayed request's first token.",
+                                        LATENCY_BUCKETS_S)
+        self.last_replay_start_at_s = 0.0  # time.time() of the last replay submission
+        self.last_replay_token_at_s = 0.0  # time.time() of the last replay's first token
         self._seen: dict[int, tuple[int | None, str]] = {}  # engine index -> (pid, state)
 
     # -- recorders (frontend.generation) ---------------------------------------------------
@@ -108,6 +119,14 @@ class FrontendMetrics:
 
     def record_error(self, kind: str) -> None:
         self.errors.inc(kind)
+
+    def record_replay(self) -> None:
+        self.replays.inc()
+        self.last_replay_start_at_s = time.time()
+
+    def record_replay_latency(self, latency_s: float) -> None:
+        self.replay_latency.observe(latency_s)
+        self.last_replay_token_at_s = time.time()
 
     def observe_engines(self, engines) -> None:
         """Count deaths from the client's view of its engines; call often (and at scrape)."""
@@ -128,17 +147,30 @@ class FrontendMetrics:
     def render(self, engines=(), num_in_flight: int = 0) -> str:
         self.observe_engines(engines)
         lines: list[str] = []
-        for h in (self.ttft, self.itl, self.e2e):
+        for h in (self.ttft, self.itl, self.e2e, self.replay_latency):
             h.render(lines)
-        for c in (self.success, self.errors, self.prompt_tokens, self.generation_tokens, self.engine_deaths):
+        for c in (self.success, self.errors, self.prompt_tokens, self.generation_tokens, self.engine_deaths,
+                  self.replays):
             c.render(lines)
         p = PREFIX
+        for name, help_, value in (
+                ("replay_last_start_timestamp_seconds", "Wall time of the last replay submission.",
+                 self.last_replay_start_at_s),
+                ("replay_last_first_token_timestamp_seconds", "Wall time of the last replay's first token.",
+                 self.last_replay_token_at_s)):
+            lines.append(f"# HELP {p}_{name} {help_}")
+            lines.append(f"# TYPE {p}_{name} gauge")
+            lines.append(f"{p}_{name} {_fmt(value)}")
         gauges = (
             ("num_requests_running", "Requests running in the engine.", lambda e: e.stats.num_running if e.stats else 0),
             ("num_requests_waiting", "Requests waiting in the engine.", lambda e: e.stats.num_waiting if e.stats else 0),
             ("kv_cache_usage_perc", "Fraction of the engine's KV blocks in use.",
              lambda e: e.stats.kv_usage if e.stats else 0.0),
             ("engine_healthy", "1 while the engine is running.", lambda e: 1 if e.healthy else 0),
+            ("engine_last_death_timestamp_seconds", "Wall time this frontend learnt of the engine's last death.",
+             lambda e: getattr(e, "died_at_s", 0.0)),
+            ("engine_last_ready_timestamp_seconds", "Wall time of the engine's last READY.",
+             lambda e: getattr(e, "ready_at_s", 0.0)),
         )
         for name, help_, get in gauges:
             lines.append(f"# HELP {p}_{name} {help_}")

@@ -1,0 +1,282 @@
+"""RequestJournal as plain logic, the Generator's replay loop over a fake client, and one
+check against a real EngineCore that a replayed seeded request continues exactly."""
+
+from __future__ import annotations
+
+import asyncio
+
+import msgspec
+import pytest
+
+from engine.errors import EngineDeadError, NoEngineAvailableError
+from engine.messages import EngineCoreOutput, EngineCoreRequest
+from engine.sampling_params import SamplingParams
+from frontend.errors import ServiceUnavailableError
+from frontend.generation import Generator
+from frontend.journal import GiveUp, Replay, RequestJournal, replay_request
+from frontend.metrics import FrontendMetrics
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now_s = 100.0
+
+    def __call__(self) -> float:
+        return self.now_s
+
+
+def ecr(rid: str = "r", prompt=(1, 2, 3), priority: int = 0, **sp) -> EngineCoreRequest:
+    params = dict(max_tokens=10, temperature=0.0, ignore_eos=True)
+    params.update(sp)
+    return EngineCoreRequest(request_id=rid, prompt_token_ids=list(prompt), priority=priority,
+                             sampling_params=SamplingParams(**params), eos_token_id=0, arrival_time=5.0)
+
+
+# -- the journal --------------------------------------------------------------------------
+def test_replay_request_continues_from_the_streamed_tokens():
+    orig = ecr(max_tokens=10, min_tokens=6, seed=7, temperature=0.8, stop=["x"], priority=2)
+    r = replay_request(orig, [9, 8, 7, 6], 1)
+    assert r.request_id == "r~r1" and r.prompt_token_ids == [1, 2, 3, 9, 8, 7, 6]
+    assert r.num_prior_output_tokens == 4
+    p = r.sampling_params
+    assert (p.max_tokens, p.min_tokens, p.seed, p.temperature, p.stop) == (6, 2, 7, 0.8, ["x"])
+    assert (r.arrival_time, r.priority, r.eos_token_id) == (5.0, 2, 0)
+    assert orig.prompt_token_ids == [1, 2, 3] and orig.sampling_params.max_tokens == 10  # untouched
+    r2 = replay_request(msgspec.structs.replace(orig, sampling_params=SamplingParams(max_tokens=None, min_tokens=2)),
+                        [5, 5, 5], 2)
+    assert r2.sampling_params.max_tokens is None and r2.sampling_params.min_tokens == 0
+    # a replay of a replay counts all prior output
+    assert replay_request(r, [1], 2).num_prior_output_tokens == 5
+    assert r.structured_output_prefix_tokens is None
+    so = msgspec.structs.replace(orig, structured_output={"type": "regex", "value": "a+"})
+    assert replay_request(replay_request(so, [4, 5], 1), [6], 2).structured_output_prefix_tokens == [4, 5, 6]
+
+
+def test_engine_death_marks_only_its_requests_and_replays_carry_on():
+    clock = Clock()
+    j = RequestJournal(max_replays=3, clock=clock)
+    for rid, engine in (("a", 0), ("b", 1), ("c", 0)):
+        j.open(ecr(rid))
+        j.on_submitted(rid, engine)
+    j.on_tokens("a", [4, 5])
+    j.on_tokens("a", [6])
+    clock.now_s = 101.0
+    assert sorted(j.on_engine_dead(0)) == ["a", "c"]
+    assert j.get("b").lost_at_s is None and j.get("b").engine_index == 1
+    clock.now_s = 101.5
+    j.on_lost("a")  # the per-stream error, a moment later: the notice's time is kept
+    act = j.decide("a")
+    assert isinstance(act, Replay) and act.num_replays == 1
+    assert act.request.prompt_token_ids == [1, 2, 3, 4, 5, 6] and act.request.sampling_params.max_tokens == 7
+    j.on_submitted("a", 1)
+    clock.now_s = 101.25 + 1.0
+    assert j.on_replay_token("a") == pytest.approx(1.25)  # notice -> the replay's first token
+    assert j.on_replay_token("a") is None
+    j.on_tokens("a", [7])
+    act = j.decide("a")  # its second engine fails too
+    assert act.request.request_id == "a~r2" and act.request.prompt_token_ids == [1, 2, 3, 4, 5, 6, 7]
+    assert act.request.num_prior_output_tokens == 4
+    assert j.num_replays_total == 2
+    j.close("a")
+    assert "a" not in j and len(j) == 2
+
+
+def test_replay_limit_and_nothing_left_to_do():
+    j = RequestJournal(max_replays=2)
+    j.open(ecr("a"))
+    assert isinstance(j.decide("a"), Replay) and isinstance(j.decide("a"), Replay)
+    give_up = j.decide("a")
+    assert isinstance(give_up, GiveUp) and give_up.code == "replay_limit" and "3 times" in give_up.reason
+    j.open(ecr("b", max_tokens=2))
+    j.on_tokens("b", [1, 2])
+    assert j.decide("b").code == "request_done"
+    j0 = RequestJournal(max_replays=0)
+    j0.open(ecr("c"))
+    assert j0.decide("c").code == "replay_limit"
+    with pytest.raises(ValueError):
+        j0.open(ecr("c"))
+    with pytest.raises(ValueError):
+        RequestJournal(max_replays=-1)
+
+
+# -- the Generator's replay loop over a fake client -------------------------------------
+class _Info:
+    def __init__(self, index: int) -> None:
+        self.index, self.state, self.pid, self.stats = index, "running", index + 100, None
+
+    @property
+    def healthy(self) -> bool:
+        return self.state == "running"
+
+
+class ScriptedClient:
+    """Token k of a request is always 100 + k (as greedy would be), whatever engine runs it;
+    ``kill_at``: {output position: engine loss} to raise when a request reaches it."""
+
+    def __init__(self, num_engines: int = 2, kill_at=None) -> None:
+        self.engines = [_Info(i) for i in range(num_engines)]
+        self.kill_at = dict(kill_at or {})
+        self.submitted: list[EngineCoreRequest] = []
+        self.loss_listeners = []
+        self._where: dict[str, int] = {}
+
+    def engine_of(self, rid: str):
+        return self._where.get(rid)
+
+    def lose(self, index: int) -> None:
+        self.engines[index].state = "dead"
+        for fn in self.loss_listeners:
+            fn(index, "killed")
+
+    async def generate(self, req: EngineCoreRequest):
+        healthy = [e for e in self.engines if e.healthy]
+        if not healthy:
+            raise NoEngineAvailableError("none running")
+        engine = healthy[len(self.submitted) % len(healthy)].index
+        self.submitted.append(req)
+        self._where[req.request_id] = engine
+        p = req.sampling_params
+        start = req.num_prior_output_tokens
+        for k in range(start, start + p.max_tokens):
+            await asyncio.sleep(0)
+            if k in self.kill_at:
+                self.kill_at.pop(k)(self, engine)
+                raise EngineDeadError(engine, req.request_id, "killed by the test")
+            last = k == start + p.max_tokens - 1
+            yield EngineCoreOutput(request_id=req.request_id, new_token_ids=[100 + k],
+                                   finish_reason="length" if last else None)
+
+
+class ListDetok:
+    def __init__(self, ids, params) -> None:
+        self.ids: list[int] = []
+        self.stop = params.stop
+
+    def update(self, ids):
+        self.ids.extend(ids)
+        for s in self.stop:
+            if s in self.text():
+                return s
+        return None
+
+    def text(self) -> str:
+        return "".join(chr(65 + i % 26) for i in self.ids)
+
+    def get_delta_text(self) -> str:
+        return ""
+
+    def flush(self) -> str:
+        return self.text()
+
+
+def collect(gen: Generator, req: EngineCoreRequest):
+    async def main():
+        return [d async for d in gen.generate(req)]
+    return asyncio.run(main())
+
+
+def test_generator_replays_on_a_survivor_without_gaps_or_repeats():
+    def kill(client, engine):
+        client.lose(engine)
+    client = ScriptedClient(kill_at={3: kill, 7: kill})
+    client.engines[1].state = "running"
+    metrics = FrontendMetrics()
+    gen = Generator(client, ListDetok, metrics)
+
+    def revive_then_kill(c, engine):  # the second death: bring the first engine back first
+        c.engines[0].state = "running"
+        c.lose(engine)
+    client.kill_at[7] = revive_then_kill
+    deltas = collect(gen, ecr(max_tokens=10))
+    ids = [t for d in deltas for t in d.token_ids]
+    assert ids == [100 + k for k in range(10)] and deltas[-1].finish_reason == "length"
+    assert deltas[-1].num_output_tokens == 10
+    assert [r.request_id for r in client.submitted] == ["r", "r~r1", "r~r2"]
+    assert client.submitted[2].prompt_token_ids == [1, 2, 3] + [100 + k for k in range(7)]
+    assert len(gen.journal) == 0
+    text = metrics.render(client.engines)
+    assert "planaria_request_replays_total 2" in text and "planaria_replay_latency_seconds_count 2" in text
+    assert 'planaria_request_success_total{finished_reason="length"} 1' in text
+
+
+def test_generator_waits_for_an_engine_to_come_back():
+    async def main():
+        client = ScriptedClient(num_engines=1)
+
+        def kill(c, engine):
+            c.lose(engine)
+            asyncio.get_running_loop().call_later(0.2, setattr, c.engines[0], "state", "running")
+        client.kill_at = {2: kill}
+        gen = Generator(client, ListDetok, replay_wait_s=5.0)
+        t0 = asyncio.get_running_loop().time()
+        deltas = [d async for d in gen.generate(ecr(max_tokens=5))]
+        assert asyncio.get_running_loop().time() - t0 >= 0.2
+        return [t for d in deltas for t in d.token_ids]
+    assert asyncio.run(main()) == [100, 101, 102, 103, 104]
+
+
+def test_generator_gives_up_with_503_past_the_limit_or_when_no_engine_returns():
+    def kill(c, engine):
+        c.lose(engine)
+    client = ScriptedClient(num_engines=1, kill_at={1: kill})
+    gen = Generator(client, ListDetok, FrontendMetrics(), replay_wait_s=0.1)
+    with pytest.raises(ServiceUnavailableError) as ei:
+        collect(gen, ecr(max_tokens=5))
+    assert ei.value.status == 503 and ei.value.code == "no_engine_available"
+    assert "no engine came back" in str(ei.value) and len(gen.journal) == 0
+
+    def kill_keep(c, engine):  # the engine "dies" but stays usable: only the limit stops it
+        for fn in c.loss_listeners:
+            fn(engine, "flaky")
+    flaky = ScriptedClient(num_engines=1, kill_at={1: kill_keep, 2: kill_keep, 3: kill_keep, 4: kill_keep})
+    metrics = FrontendMetrics()
+    gen = Generator(flaky, ListDetok, metrics, journal=RequestJournal(max_replays=3))
+    with pytest.raises(ServiceUnavailableError) as ei:
+        collect(gen, ecr(max_tokens=8))
+    assert ei.value.code == "engine_dead" and "replay limit 3" in str(ei.value)
+    assert len(flaky.submitted) == 4
+    assert 'planaria_request_errors_total{kind="replay_limit"} 1' in metrics.render(flaky.engines)
+    # a new request with no engine at all is still refused at once
+    with pytest.raises(ServiceUnavailableError):
+        collect(Generator(ScriptedClient(num_engines=0), ListDetok), ecr())
+
+
+def test_stop_string_is_checked_across_the_replay():
+    def kill(c, engine):
+        c.lose(engine)
+    client = ScriptedClient(kill_at={2: kill})
+    gen = Generator(client, ListDetok)
+    # tokens 100.. decode to "WXYZAB...": "XYZ" spans the replay boundary (positions 1..3)
+    deltas = collect(gen, ecr(max_tokens=10, stop=["XYZ"]))
+    assert deltas[-1].finish_reason == "stop" and deltas[-1].stop_reason == "XYZ"
+    assert [t for d in deltas for t in d.token_ids] == [100, 101, 102, 103]
+
+
+# -- against a real engine core -----------------------------------------------------------
+@pytest.mark.parametrize("sp", [dict(temperature=0.9, seed=1234, top_p=0.95),
+                                dict(temperature=1.0, seed=99, presence_penalty=0.5, frequency_penalty=0.3),
+                                dict(temperature=0.0)])
+def test_a_replayed_request_draws_what_the_uninterrupted_run_drew(tiny_moe, sp):
+    from engine.config import EngineConfig
+    from engine.core import EngineCore
+
+    core = EngineCore(EngineConfig(model=tiny_moe, kv_cache_bytes=8 * 2**20, max_model_len=256,
+                                   num_threads=1, enable_prefix_caching=False))
+
+    def run(req: EngineCoreRequest) -> list[int]:
+        core.add_request(req)
+        out: list[int] = []
+        while core.has_unfinished_requests():
+            for o in core.step()[0]:
+                assert o.error is None, o.error
+                out.extend(o.new_token_ids)
+        return out
+
+    orig = ecr("full", prompt=[11, 12, 13, 14, 15], max_tokens=24, min_tokens=20, **sp)
+    full = run(orig)
+    assert len(full) == 24
+    for cut in (1, 9, 23):
+        assert full[:cut] + run(replay_request(orig, full[:cut], 1)) == full, cut
+    bad = msgspec.structs.replace(replay_request(orig, full[:5], 9), num_prior_output_tokens=99)
+    core.add_request(bad)
+    assert "num_prior_output_tokens" in core.step()[0][0].error
