@@ -69,8 +69,10 @@ class EPGroup:
         self.rank, self.world_size = spec.rank, spec.world_size
         host, port = _split(spec.rendezvous)
         try:
+            # Forming waits for every rank (old ranks reach the switch at a step boundary):
+            # a longer store timeout than the collectives' own.
             self._store = dist.TCPStore(host, port, is_master=False, wait_for_workers=False,
-                                        timeout=datetime.timedelta(seconds=spec.timeout_s))
+                                        timeout=datetime.timedelta(seconds=max(60.0, 6 * spec.timeout_s)))
             prefix = dist.PrefixStore(f"planaria/epoch{spec.epoch}/", self._store)
             timeout = datetime.timedelta(seconds=spec.timeout_s)
             if spec.backend == "gloo":

@@ -39,6 +39,7 @@ class ModelRunner:
             config.model, self.dtype, self.device, max_model_len, expert_range, progress)
         self.load_s = time.monotonic() - t0
         self.block_size = config.block_size
+        self.max_positions = max_model_len  # rows of the rotary tables
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.num_blocks = 0
         self.sampler = Sampler()
@@ -62,7 +63,7 @@ class ModelRunner:
         self._allocate_kv(num_dummy_blocks)
         with measure_peak(self.device) as m, torch.inference_mode():
             ids = torch.zeros(n, dtype=torch.long, device=self.device)
-            pos = torch.arange(n, dtype=torch.long, device=self.device) % self.spec.max_position_embeddings
+            pos = torch.arange(n, dtype=torch.long, device=self.device) % self.max_positions
             md = build_metadata([], [], [(list(range(num_dummy_blocks)), 0, n)], self.block_size, self.device)
             hidden = self.model(ids, pos, self.kv_caches, md)
             self.model.compute_logits(hidden[-self.config.max_num_seqs:])
@@ -72,7 +73,9 @@ class ModelRunner:
         peak = m["peak_bytes"]
         kv = int(budget * self.config.memory_utilization) - self.weights_bytes - peak
         if self.device.type == "cpu":
-            kv = min(kv, self.config.max_cpu_kv_cache_bytes)
+            # No more than the running sequences can ever use (zeroing RAM is not free).
+            usable_blocks = -(-self.config.max_num_seqs * self.max_positions // self.block_size)
+            kv = min(kv, self.config.max_cpu_kv_cache_bytes, usable_blocks * self.bytes_per_block)
         return MemoryProfile(budget, self.weights_bytes, peak, kv, time.monotonic() - t0)
 
     def init_kv_cache(self, kv_cache_bytes: int) -> int:

@@ -53,4 +53,4 @@ def grouped_expert_mlp(
     # Un-sort and sum each token's K expert outputs (no scatter-add).
     unsorted = torch.empty_like(pair_out)
     unsorted[order] = pair_out
-    return unsorted.view(T, K, -1).sum(dim=1)
+    return unsorted.view(T, K, x.shape[1]).sum(dim=1)

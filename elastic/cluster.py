@@ -1,0 +1,136 @@
+"""One node's part of an expert-parallel cluster, for the supervisor to own.
+
+    cluster = EPNode(node_id, cluster, etcd_endpoints, model_dir, launcher, ...)
+    cluster.start()      # lease, node record, election, rendezvous store, controller thread
+    cluster.request_scale(3)   # what `planaria scale to 3` does (any node)
+    cluster.stop()
+
+``ProcessLauncher`` starts ``python -m elastic.ep_proc`` engine processes that connect to
+this node's frontend; the supervisor may pass its own launcher (same call signature) so
+the processes are watched and restarted like any other child.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Callable
+
+import msgspec
+import structlog
+
+from elastic.controller import EPController
+from elastic.election import LeaderElection
+from elastic.ep import host_store
+from elastic.errors import ElasticError
+from elastic.keys import NodeInfo
+from elastic.membership import Membership
+
+log = structlog.get_logger("planaria.elastic.cluster")
+
+
+class ProcessLauncher:
+    """Spawns EP engine processes (real processes, new session, stopped by pid)."""
+
+    def __init__(self, *, model_dir: str, engine_config: dict, input_addr: str, etcd_endpoints: list[str],
+                 cluster: str, node_id: str, log_dir: Path, env: dict | None = None,
+                 lease_ttl_s: float = 3.0, collective_timeout_s: float = 10.0) -> None:
+        self.model_dir, self.engine_config, self.input_addr = model_dir, engine_config, input_addr
+        self.etcd_endpoints, self.cluster, self.node_id = etcd_endpoints, cluster, node_id
+        self.log_dir = Path(log_dir)
+        self.env = env
+        self.lease_ttl_s, self.collective_timeout_s = lease_ttl_s, collective_timeout_s
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.index_of: dict[str, int] = {}
+        self._next_index = 0
+        self.launch_times: dict[str, float] = {}
+
+    def __call__(self, engine_id: str, kv_cache_bytes: int | None) -> None:
+        config = dict(self.engine_config, model=self.model_dir)
+        if kv_cache_bytes:
+            config.update(kv_cache_bytes=int(kv_cache_bytes), kv_source="reused")
+        index = self._next_index
+        self._next_index += 1
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        out = open(self.log_dir / f"{engine_id}.log", "ab")
+        cmd = [sys.executable, "-m", "elastic.ep_proc", "--engine-index", str(index), "--engine-id", engine_id,
+               "--node-id", self.node_id, "--input-addr", self.input_addr,
+               "--config-json", msgspec.json.encode(config).decode(),
+               "--etcd-endpoints", ",".join(self.etcd_endpoints), "--cluster", self.cluster,
+               "--lease-ttl-s", str(self.lease_ttl_s), "--collective-timeout-s", str(self.collective_timeout_s)]
+        env = dict(os.environ if self.env is None else self.env)
+        self.procs[engine_id] = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env,
+                                                 start_new_session=True)
+        out.close()
+        self.index_of[engine_id] = index
+        self.launch_times[engine_id] = time.time()
+        log.info("launched EP engine", engine_id=engine_id, index=index, pid=self.procs[engine_id].pid,
+                 kv_cache_bytes=kv_cache_bytes)
+
+    def stop_all(self, timeout_s: float = 10.0) -> None:
+        for p in self.procs.values():
+            if p.poll() is None:
+                p.terminate()
+        deadline = time.time() + timeout_s
+        for p in self.procs.values():
+            try:
+                p.wait(max(0.1, deadline - time.time()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+
+class EPNode:
+    def __init__(self, node_id: str, cluster: str, etcd_endpoints: list[str], *, model_dir: str,
+                 launcher: Callable[[str, int | None], None], initial_engines: int, rendezvous: str,
+                 block_size: int = 16, lease_ttl_s: int = 3, tick_s: float = 0.2, device_kind: str = "cpu") -> None:
+        from engine.models.loader import load_hf_config, model_fingerprint, spec_from_config
+
+        self.node_id, self.cluster = node_id, cluster
+        self.membership = Membership.from_endpoints(etcd_endpoints, cluster, node_id, ttl_s=lease_ttl_s)
+        self.election = LeaderElection(self.membership)
+        self.rendezvous = rendezvous
+        self._store = None
+        spec = spec_from_config(load_hf_config(model_dir))
+        self.controller = EPController(
+            self.membership, self.election, cluster, num_experts=spec.num_experts, rendezvous=rendezvous,
+            launch=launcher, model_fingerprint=model_fingerprint(model_dir), device_kind=device_kind,
+            block_size=block_size, initial_engines=initial_engines, engine_prefix=f"{node_id}-e")
+        self.tick_s = tick_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="ep-controller", daemon=True)
+
+    def start(self) -> "EPNode":
+        self.membership.start()
+        self.membership.register_node(NodeInfo(node_id=self.node_id, host="127.0.0.1", addresses={},
+                                               capacity={}, started_at=time.time()))
+        self._store = host_store(self.rendezvous)  # serves the groups this node leads
+        self.election.start()
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.tick_s):
+            try:
+                self.controller.tick()
+            except ElasticError as exc:  # etcd down: membership changes freeze, traffic goes on
+                log.warning("controller tick failed", error=str(exc))
+            except Exception:
+                log.exception("controller tick crashed")
+
+    def request_scale(self, target: int) -> str:
+        op_id = f"op-{uuid.uuid4().hex[:8]}"
+        self.controller.desired.request_scale(target, op_id, kind="scale")
+        return op_id
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        self.election.stop()
+        self.membership.close(revoke=True)
+        self._store = None

@@ -1,0 +1,142 @@
+"""The leader's executor for expert-parallel clusters: make the epoch follow `desired`.
+
+Each ``tick`` reads the cluster (epoch, desired, engine records), asks the pure planner
+(elastic/planner.py) what to do, and acts:
+
+- too few engines exist for `desired`: launch the missing ones through the injected
+  ``launch(engine_id, kv_cache_bytes)``; a scale-up launch passes the smallest published
+  KV figure of the group (kv_budget), so the new engine skips profiling ("reused");
+- ScaleUp / ScaleDown / Reform: write the next epoch with the fenced compare-and-swap
+  (only the current leader's write can land); engines watch the key and switch at a step
+  boundary; departing engines hand their requests to survivors and exit;
+- the op record (`ops/<id>`) follows: LAUNCHING -> SWITCHING -> DONE once every rank
+  of the new epoch reports it serves that epoch.
+
+The first profiled engines' figures are published to kv_budget here as they appear.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from typing import Callable
+
+import structlog
+
+from elastic.desired import DesiredStore
+from elastic.epochs import EpochStore
+from elastic.errors import ElasticError
+from elastic.keys import EngineState, Epoch, KVBudget, OpPhase
+from elastic.kv_budget import KVBudgetRegistry
+from elastic.planner import NoChange, Reform, ScaleDown, ScaleUp, plan_epoch
+
+log = structlog.get_logger("planaria.elastic.controller")
+LIVE_STATES = {EngineState.READY, EngineState.SERVING, EngineState.PAUSED}
+
+
+class EPController:
+    def __init__(self, membership, election, cluster: str, *, num_experts: int, rendezvous: str,
+                 launch: Callable[[str, int | None], None], model_fingerprint: str, device_kind: str,
+                 block_size: int, initial_engines: int, engine_prefix: str = "",
+                 launch_timeout_s: float = 300.0, first_epoch_grace_s: float = 120.0,
+                 clock: Callable[[], float] = time.time) -> None:
+        client = membership.client
+        self.membership, self.election = membership, election
+        self.epochs = EpochStore(client, cluster)
+        self.desired = DesiredStore(client, cluster)
+        self.kv = KVBudgetRegistry(client, cluster)
+        self.num_experts, self.rendezvous = num_experts, rendezvous
+        self.launch = launch
+        self.fp, self.device_kind, self.block_size = model_fingerprint, device_kind, block_size
+        self.initial_engines = initial_engines
+        self.engine_prefix = engine_prefix or f"{membership.node_id}-e"
+        self.launch_timeout_s, self.first_epoch_grace_s = launch_timeout_s, first_epoch_grace_s
+        self.clock = clock
+        self.started_at = clock()
+        self._launched: dict[str, float] = {}  # engine id -> launch time (not yet registered)
+        self._counter = itertools.count()
+        self._published: set[str] = set()
+        self.last_action = "idle"
+
+    def next_engine_id(self) -> str:
+        return f"{self.engine_prefix}{next(self._counter)}"
+
+    def tick(self) -> str:
+        if not self.election.is_leader:
+            return "not leader"
+        now = self.clock()
+        epoch, epoch_rev = self.epochs.read_epoch()
+        desired, _ = self.desired.read_desired()
+        target = desired.num_engines if desired is not None else self.initial_engines
+        op = self.desired.active_op()
+        records = {r.engine_id: r for r in self.membership.list_engines()}
+        self._publish_profiled(records, now)
+        for eid in [e for e, t in self._launched.items() if e in records or now - t > self.launch_timeout_s]:
+            self._launched.pop(eid)
+        live = [e for e, r in records.items() if r.state in LIVE_STATES]
+        ranks = epoch.ranks if epoch is not None else []
+        # Prefer the current ranks in their order, then newcomers by id.
+        live.sort(key=lambda e: (ranks.index(e) if e in ranks else len(ranks), e))
+
+        existing = [e for e, r in records.items() if r.state not in (EngineState.STOPPED, EngineState.FAILED)
+                    or e in ranks]
+        missing = target - len(set(existing) | set(self._launched))
+        if missing > 0 and not any(e not in live for e in ranks):
+            budget = self.kv.smallest_for_group(self.fp, self.device_kind, ranks) if ranks else None
+            for _ in range(missing):
+                eid = self.next_engine_id()
+                self._launched[eid] = now
+                self.launch(eid, budget.kv_cache_bytes if budget is not None else None)
+            self._op(op, OpPhase.LAUNCHING, f"launching {missing} engine(s)")
+            self.last_action = f"launched {missing}"
+            return self.last_action
+
+        if epoch is None and len(live) < target and now - self.started_at < self.first_epoch_grace_s:
+            return f"waiting for engines: {len(live)}/{target} live"
+        action = plan_epoch(epoch, target, live, self.num_experts, now, rendezvous=self.rendezvous,
+                            leader=self.membership.node_id)
+        if isinstance(action, NoChange):
+            if op is not None and epoch is not None and self._epoch_serving(epoch, records) \
+                    and epoch.world_size == target:
+                self._op(op, OpPhase.DONE, f"serving epoch {epoch.number} with {epoch.world_size} ranks")
+            self.last_action = action.reason
+            return action.reason
+        try:
+            self.epochs.write_epoch(action.epoch, epoch_rev, self.election.leader_revision or 0)
+        except ElasticError as exc:
+            log.warning("epoch write refused", error=str(exc))
+            self.last_action = f"epoch write refused: {exc}"
+            return self.last_action
+        kind = type(action).__name__
+        self._op(op, OpPhase.SWITCHING, f"epoch {action.epoch.number}: {kind} to {action.epoch.world_size} ranks")
+        log.info("epoch written", number=action.epoch.number, kind=kind, ranks=action.epoch.ranks)
+        self.last_action = f"{kind} -> epoch {action.epoch.number}"
+        return self.last_action
+
+    def _epoch_serving(self, epoch: Epoch, records) -> bool:
+        return all(e in records and records[e].epoch == epoch.number and records[e].state == EngineState.SERVING
+                   for e in epoch.ranks)
+
+    def _publish_profiled(self, records, now: float) -> None:
+        for eid, r in records.items():
+            if eid in self._published or r.kv_source != "profiled" or r.kv_cache_bytes <= 0:
+                continue
+            num_blocks = int(r.addresses.get("num_kv_blocks", "0") or 0)
+            if num_blocks <= 0:
+                continue
+            try:
+                self.kv.publish(self.fp, self.device_kind, KVBudget(
+                    kv_cache_bytes=r.kv_cache_bytes, block_size=self.block_size,
+                    num_blocks=num_blocks, engine_id=eid, recorded_at=now))
+                self._published.add(eid)
+            except ElasticError as exc:
+                log.warning("kv budget not published", error=str(exc))
+
+    def _op(self, op, phase: OpPhase, progress: str) -> None:
+        if op is None:
+            return
+        try:
+            self.desired.update_op(op.op_id, phase=phase, progress=progress,
+                                   leader_create_revision=self.election.leader_revision)
+        except ElasticError as exc:
+            log.warning("op record not updated", op_id=op.op_id, error=str(exc))

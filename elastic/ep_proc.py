@@ -1,0 +1,282 @@
+"""The engine-core process of an expert-parallel cluster.
+
+Like ``engine.proc`` (same sockets, handshake, faults, shutdown), plus:
+
+- the engine registers itself in etcd (``engines/<id>``, on a lease of its own, so a dead
+  engine's record expires; its supervisor also deletes it at once when it sees the exit)
+  and watches the ``epoch`` key;
+- it starts outside any group and joins the first epoch that names it; a scale-up engine
+  is launched with ``kv_cache_bytes`` (kv_source "reused") and skips profiling;
+- every step is a lockstep EP step (elastic/ep_engine.py); a newer epoch is adopted at a
+  step boundary once every rank of the current group has seen it; requests are kept;
+- a rank not named by the new epoch (scale-down) tells its frontends it is leaving with
+  ENGINE_CORE_DEAD (their journals replay its requests on survivors) and exits 0;
+- a collective that fails (a peer died or hung) makes the rank UNHEALTHY, requests kept;
+  the leader's next epoch (without the lost rank) re-forms the group.
+
+Launch: ``python -m elastic.ep_proc --engine-index I --engine-id ID --input-addr ... \
+    --config-json ... --etcd-endpoints host:port --cluster NAME``
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import threading
+import time
+
+import msgspec
+
+from elastic.ep import CollectiveError, EPSpec
+from elastic.ep_engine import EPRank, make_ep_core
+from elastic.keys import EngineRecord, EngineState as ClusterState, Epoch, KeyLayout, decode
+from engine.config import EngineConfig
+from engine.errors import RequestExecutionError
+from engine.proc import (EXIT_OK, EXIT_USAGE, EngineCoreProc, EngineState, ProcSettings, _Exit,
+                         _json_arg, _setup_logging)
+
+log = logging.getLogger(__name__)
+IDLE_POLL_S = 0.005  # an idle rank re-syncs this often (start latency of new work)
+
+
+class EPEngineCoreProc(EngineCoreProc):
+    def __init__(self, engine_index: int, engine_id: str, node_id: str, input_addresses: list[str],
+                 config: EngineConfig, etcd_endpoints: list[str], cluster: str,
+                 settings: ProcSettings | None = None, lease_ttl_s: float = 3.0,
+                 collective_timeout_s: float = 10.0) -> None:
+        super().__init__(engine_index, input_addresses, config, settings)
+        self.engine_id, self.node_id = engine_id, node_id
+        self.etcd_endpoints, self.cluster = etcd_endpoints, cluster
+        self.lease_ttl_s, self.collective_timeout_s = lease_ttl_s, collective_timeout_s
+        self.keys = KeyLayout(cluster)
+        self.ep: EPRank | None = None
+        self._epoch_lock = threading.Lock()
+        self._latest_epoch: Epoch | None = None
+        self._membership = None
+        self._watch = None
+        self._reforming = False
+        self.timings: dict[str, float] = {}
+
+    # -- etcd --------------------------------------------------------------------------------
+    def _start_cluster(self) -> None:
+        from elastic.membership import Membership
+
+        self._membership = Membership.from_endpoints(self.etcd_endpoints, self.cluster, self.engine_id,
+                                                     ttl_s=self.lease_ttl_s).start()
+        self._record(ClusterState.LOADING)
+        self._watch = self._membership.watch_prefix(self.keys.epoch, self._on_epoch_events)
+
+    def _record(self, state: ClusterState) -> None:
+        core = self.core
+        spec = self.ep.spec if self.ep is not None and self.ep.group is not None else None
+        rec = EngineRecord(engine_id=self.engine_id, node_id=self.node_id,
+                           rank=spec.rank if spec else None, epoch=spec.epoch if spec else 0, state=state,
+                           addresses={"pid": str(os.getpid()), "engine_index": str(self.engine_index),
+                                      "num_kv_blocks": str(core.num_kv_blocks if core else 0)},
+                           kv_cache_bytes=core.kv_cache_bytes if core else 0,
+                           kv_source=core.kv_source if core else "")
+        try:
+            self._membership.put_engine(rec)
+        except Exception as exc:  # etcd down: remembered and re-written when it returns
+            log.warning("engine %s: record not written now (%s)", self.engine_id, exc)
+
+    def _on_epoch_events(self, events) -> None:
+        for ev in events:
+            if ev.key != self.keys.epoch or ev.value is None:
+                continue
+            try:
+                epoch = decode(ev.key, ev.value, Epoch)
+            except Exception as exc:
+                log.error("undecodable epoch: %s", exc)
+                continue
+            with self._epoch_lock:
+                if self._latest_epoch is None or epoch.number > self._latest_epoch.number:
+                    self._latest_epoch = epoch
+            self.input_queue.put((None, b"\x00wakeup-epoch", None))
+
+    def _spec_for(self, epoch: Epoch) -> EPSpec:
+        rank = epoch.ranks.index(self.engine_id) if self.engine_id in epoch.ranks else -1
+        backend = "nccl" if self.config.device.startswith("cuda") else "gloo"
+        return EPSpec(epoch=epoch.number, rank=rank, world_size=epoch.world_size, rendezvous=epoch.rendezvous,
+                      expert_map=epoch.expert_map, timeout_s=self.collective_timeout_s, backend=backend)
+
+    def _take_epoch(self) -> EPSpec | None:
+        with self._epoch_lock:
+            epoch = self._latest_epoch
+        if epoch is None:
+            return None
+        current = self.ep.spec.epoch if self.ep is not None and self.ep.group is not None else -1
+        pending = self.ep.pending.epoch if self.ep is not None and self.ep.pending is not None else -1
+        if epoch.number <= max(current, pending):
+            return None
+        return self._spec_for(epoch)
+
+    # -- load ---------------------------------------------------------------------------------
+    def _load(self) -> None:
+        t0 = time.monotonic()
+        self._start_cluster()
+        # Load this rank's experts of the newest epoch that names it (else the first share).
+        with self._epoch_lock:
+            epoch = self._latest_epoch
+        from elastic.planner import expert_map
+        from engine.models.loader import load_hf_config, spec_from_config
+
+        spec_m = spec_from_config(load_hf_config(self.config.model))
+        if epoch is not None and self.engine_id in epoch.ranks:
+            spec = self._spec_for(epoch)
+        else:
+            w = (epoch.world_size + 1) if epoch is not None else 1
+            spec = EPSpec(epoch=-1, rank=w - 1, world_size=w, rendezvous="", expert_map=expert_map(spec_m.num_experts, w))
+        self.core = make_ep_core(self.config, spec)
+        self.ep = EPRank(self.core, spec)
+        self.ep.spec = msgspec.structs.replace(spec, epoch=-1)  # not in a group yet
+        self.timings["load_s"] = time.monotonic() - t0
+        self._record(ClusterState.READY)
+
+    # -- the lockstep loop ---------------------------------------------------------------------
+    def _handle(self, slot, msg_type, msg) -> None:
+        if msg_type == b"\x00wakeup-epoch":
+            return
+        super()._handle(slot, msg_type, msg)
+
+    def _add(self, slot, req) -> None:
+        if self._reforming:  # keep accepting: the request waits for the re-formed group
+            self._req_slot[req.request_id] = slot
+            self.core.add_request(req)
+            return
+        super()._add(slot, req)
+
+    def _busy_loop(self) -> int:
+        try:
+            while True:
+                busy = self.core.has_unfinished_requests() and self.ep.group is not None
+                self._process_inputs(block_s=0 if busy else IDLE_POLL_S)
+                new = self._take_epoch()
+                if self.ep.group is None or self._reforming:
+                    if new is not None:
+                        self._adopt(new)
+                    elif self._deadline is not None and time.monotonic() >= self._deadline:
+                        self._die(f"no new epoch within {self.settings.recovery_timeout_s} s after: {self._fault_reason}")
+                    continue
+                if new is not None:
+                    self.ep.pending = new
+                if self.state == EngineState.DRAINING and not self.core.has_unfinished_requests():
+                    self._stop(aborted=False)
+                has_work = self.state in (EngineState.RUNNING, EngineState.DRAINING) \
+                    and self.core.has_unfinished_requests()
+                try:
+                    any_work, switch = self.ep.sync(has_work)
+                    if switch:
+                        self._adopt(self.ep.pending)
+                        continue
+                    if any_work:
+                        self._ep_step(has_work)
+                except CollectiveError as exc:
+                    self._lost_peer(exc)
+        except _Exit as exc:
+            return exc.code
+
+    def _ep_step(self, has_work: bool) -> None:
+        try:
+            outputs, _ = self.core.step(force_forward=True) if has_work else ([], self._dummy())
+        except RequestExecutionError as exc:
+            self._fail_requests(exc.request_ids, f"request execution failed: {exc}")
+            return
+        except CollectiveError:
+            raise
+        except Exception as exc:
+            self._engine_fault(exc)
+            return
+        if outputs:
+            self._publish(outputs)
+
+    def _dummy(self) -> bool:
+        self.core.runner.execute_dummy()
+        self.core.step_counter += 1
+        return True
+
+    def _adopt(self, spec: EPSpec) -> None:
+        """Join `spec`'s group (re-homing experts), or leave when it does not name us."""
+        t0 = time.monotonic()
+        if spec.rank < 0:
+            log.info("engine %s: not in epoch %d: leaving (requests move to survivors)", self.engine_id, spec.epoch)
+            self._record(ClusterState.STOPPED)
+            self._send_dead(f"scaled down: left at epoch {spec.epoch}")
+            self._req_slot.clear()
+            raise _Exit(EXIT_OK)
+        try:
+            self.ep.switch(spec)
+        except CollectiveError as exc:
+            self._lost_peer(exc)
+            return
+        self.timings["switch_s"] = time.monotonic() - t0
+        self.timings.update(self.ep.switch_times_s)
+        if self._reforming:
+            self._reforming = False
+            self._deadline = None
+            self._set_state(EngineState.RUNNING, f"re-formed at epoch {spec.epoch}")
+        log.info("engine %s: rank %d of %d in epoch %d (%.3f s)", self.engine_id, spec.rank, spec.world_size,
+                 spec.epoch, self.timings["switch_s"])
+        self._record(ClusterState.SERVING)
+
+    def _lost_peer(self, exc: BaseException) -> None:
+        log.error("engine %s: collective failed: %s", self.engine_id, exc)
+        self.core.recover_after_fault()
+        if self.ep.group is not None:
+            self.ep.group.destroy()
+            self.ep.group = None
+        self._reforming = True
+        self._fault_reason = str(exc)
+        timeout = self.settings.recovery_timeout_s or 120.0
+        self._deadline = time.monotonic() + timeout
+        self._set_state(EngineState.UNHEALTHY, f"lost a peer rank; waiting for a new epoch: {exc}")
+        self._record(ClusterState.PAUSED)  # alive, waiting for a re-formed group
+
+    # -- utilities -----------------------------------------------------------------------------
+    def _u_get_info(self) -> dict:
+        info = super()._u_get_info()
+        spec = self.ep.spec if self.ep else None
+        info.update(engine_id=self.engine_id, epoch=spec.epoch if spec else None,
+                    rank=spec.rank if spec else None, timings=self.timings)
+        return info
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m elastic.ep_proc", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--engine-index", type=int, required=True)
+    p.add_argument("--engine-id", required=True)
+    p.add_argument("--node-id", default="node0")
+    p.add_argument("--input-addr", action="append", required=True)
+    p.add_argument("--config-json", required=True)
+    p.add_argument("--settings-json")
+    p.add_argument("--etcd-endpoints", required=True, help="comma-separated host:port list")
+    p.add_argument("--cluster", default="default")
+    p.add_argument("--lease-ttl-s", type=float, default=3.0)
+    p.add_argument("--collective-timeout-s", type=float, default=10.0)
+    args = p.parse_args(argv)
+    try:
+        config = msgspec.convert(_json_arg(args.config_json), EngineConfig)
+        config.validate()
+        settings = msgspec.convert(_json_arg(args.settings_json), ProcSettings) if args.settings_json else None
+    except Exception as exc:  # bad JSON or a bad config value: usage error
+        print(f"elastic.ep_proc: bad arguments: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    settings = settings or ProcSettings()
+    _setup_logging(args.engine_index, settings.log_level)
+    proc = EPEngineCoreProc(args.engine_index, args.engine_id, args.node_id, args.input_addr, config,
+                            args.etcd_endpoints.split(","), args.cluster, settings, args.lease_ttl_s,
+                            args.collective_timeout_s)
+    try:
+        return proc.run()
+    finally:
+        if proc._watch is not None:
+            proc._watch.stop()
+        if proc._membership is not None:
+            proc._membership.close(revoke=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
