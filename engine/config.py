@@ -29,6 +29,12 @@ class EngineConfig(msgspec.Struct, kw_only=True, omit_defaults=True):
     max_cpu_kv_cache_bytes: int = 4 * 2**30  # CPU: never take more than this for KV by default
     num_threads: int | None = None  # CPU torch threads; None: all cores
     max_logprobs: int = 20
+    # "generate" (decoder, KV cache) or "pooling" (encoder, embeddings); None: from the
+    # checkpoint's architecture (BertModel -> pooling).
+    runner_type: str | None = None
+    tokenizer: str | None = None  # structured outputs' tokenizer; None: the model directory
+    strict_max_model_len: bool = False  # refuse (KVCacheTooSmallError) instead of lowering it
+    iteration_details: bool = False  # per-step records on the outputs (engine/iteration_details.py)
 
     def validate(self) -> None:
         from engine.errors import EngineError
@@ -45,6 +51,8 @@ class EngineConfig(msgspec.Struct, kw_only=True, omit_defaults=True):
             raise EngineError(f"memory_utilization must be in (0, 1], got {self.memory_utilization}")
         if self.max_concurrent_batches < 1:
             raise EngineError("max_concurrent_batches must be >= 1")
+        if self.runner_type not in (None, "generate", "pooling"):
+            raise EngineError(f"runner_type must be 'generate' or 'pooling', got {self.runner_type!r}")
 
     def hash(self) -> str:
         """Fingerprint of the settings that must match between engines and frontends."""

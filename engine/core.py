@@ -12,6 +12,7 @@ import structlog
 
 from engine.config import EngineConfig
 from engine.errors import EngineError, InvalidRequestError, KVCacheTooSmallError
+from engine.iteration_details import IterationRecorder, scheduler_dump
 from engine.kv_cache_manager import KVCacheManager
 from engine.messages import EngineCoreOutput, EngineCoreRequest, SchedulerStats
 from engine.model_runner import ModelRunner
@@ -38,6 +39,8 @@ class EngineCore:
         self.vocab_size = self.runner.spec.vocab_size
         self.model_fingerprint = model_fingerprint(config.model)
         self.weight_version = self.model_fingerprint
+        self._weight_update = None  # engine.weight_update.WeightUpdate waiting for its step boundary
+        self.iterations = IterationRecorder() if config.iteration_details else None
 
         # KV sizing: an explicit figure skips profiling (a scale-up launch reuses one).
         self.profile = None
@@ -151,7 +154,10 @@ class EngineCore:
     def step(self, force_forward: bool = False) -> tuple[list[EngineCoreOutput], bool]:
         """One scheduling step. ``force_forward`` (expert parallelism): run a forward even
         when nothing is schedulable, so every rank joins the step's collectives."""
+        step_t0 = time.perf_counter()
         outputs = self._take_pending()
+        if self._weight_update is not None:
+            self._maybe_swap_weights()
         if self.structured.num_pending:
             outputs.extend(self._poll_grammars())
         sched = self.scheduler.schedule() if self.scheduler.has_schedulable_requests() else None
@@ -166,6 +172,10 @@ class EngineCore:
         self._inflight = None
         self._process_aborts_queue()
         outputs.extend(self._update(sched, result))
+        if self.iterations is not None:
+            self.iterations.record(self.step_counter - 1, sched, time.perf_counter() - step_t0, self.scheduler)
+        if self._weight_update is not None:  # the last old request may just have finished
+            self._maybe_swap_weights()
         return outputs + self._take_pending(), True
 
     def recover_after_fault(self) -> None:
@@ -188,6 +198,8 @@ class EngineCore:
         if self._executor is None:
             return self.step()
         outputs = self._take_pending()
+        if self._weight_update is not None:
+            self._maybe_swap_weights()
         if self.structured.num_pending:
             outputs.extend(self._poll_grammars())
         executed = False
@@ -201,9 +213,12 @@ class EngineCore:
         if not self.batch_queue:
             return outputs or None, executed
         future, sched = self.batch_queue.pop()
+        wait_t0 = time.perf_counter()
         result = future.result()
         self._process_aborts_queue()
         outputs.extend(self._update(sched, result))
+        if self.iterations is not None:  # step_s: the wait for the batch plus its update
+            self.iterations.record(self.step_counter - 1, sched, time.perf_counter() - wait_t0, self.scheduler)
         outputs.extend(self._take_pending())
         return outputs, True
 
@@ -214,6 +229,10 @@ class EngineCore:
             return self.runner.execute(sched)
         except RequestExecutionError as exc:
             return exc  # applied in _update on the loop thread
+        except Exception:
+            log.error("step failed; scheduler state", step_index=self.step_counter,
+                      scheduler=scheduler_dump(self.scheduler, sched))
+            raise
         finally:
             self.step_counter += 1
 
@@ -278,6 +297,10 @@ class EngineCore:
             self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_ERROR)
             req.error = verdict
 
+    def take_iteration_details(self) -> list | None:
+        """The steps recorded since the last call (EngineConfig.iteration_details), or None."""
+        return self.iterations.take() if self.iterations is not None else None
+
     def _process_aborts_queue(self) -> None:
         while True:
             try:
@@ -308,6 +331,36 @@ class EngineCore:
                      peak_activation_bytes=self.profile.peak_activation_bytes,
                      weights_bytes=self.profile.weights_bytes)
         return d
+
+    # -- weights --------------------------------------------------------------------------
+    def load_weights(self, model_dir: str, version: str | None = None, mode: str = "finish_old") -> dict:
+        """Read new weights (same architecture) now; swap them in at a step boundary.
+        "finish_old": admit no new request until the running ones finish, then swap;
+        "continue_new": swap at once, running requests recompute on the new weights.
+        WeightLoadError (old weights kept) if the checkpoint does not fit."""
+        from engine.weight_update import read_weights
+
+        self._weight_update = read_weights(self.runner, model_dir, version, mode)
+        if mode == "finish_old":
+            self.scheduler.admit_new = False
+        self._maybe_swap_weights()
+        return {"version": self._weight_update.version if self._weight_update else self.weight_version,
+                "mode": mode, "applied": self._weight_update is None}
+
+    def _maybe_swap_weights(self) -> None:
+        from engine.weight_update import apply
+
+        update = self._weight_update
+        in_flight = len(self.batch_queue) + (self._inflight is not None)
+        if update.decide(self.scheduler.num_running, in_flight) != "swap":
+            return
+        if update.mode == "continue_new":
+            self.scheduler.preempt_running()
+        apply(self.runner, update)
+        self.kv.reset_prefix_cache()  # cached blocks hold the old weights' KV
+        self.weight_version = update.version
+        self._weight_update = None
+        self.scheduler.admit_new = True
 
     def reset_prefix_cache(self) -> bool:
         return self.kv.reset_prefix_cache()

@@ -85,3 +85,13 @@ class RequestExecutionError(EngineError):
     def __init__(self, request_ids: list[str], message: str) -> None:
         super().__init__(message)
         self.request_ids = list(request_ids)
+
+
+class GrammarError(InvalidRequestError):
+    """A structured-output spec (JSON schema, regex, grammar) does not compile, or a replay
+    prefix does not match it; only that request fails."""
+
+
+class WeightLoadError(EngineError):
+    """New weights could not be loaded (missing files, another architecture or shape);
+    the engine keeps serving the weights it has."""

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from engine.config import EngineConfig
-from engine.core import EngineCore
+from engine.core import create_engine_core
 from engine.errors import InvalidRequestError
 from engine.messages import EngineCoreRequest, Logprobs
 from engine.sampling_params import SamplingParams
@@ -72,13 +72,16 @@ def stop_token_ids_for(model_dir: str, tokenizer) -> tuple[int | None, list[int]
 class LLM:
     def __init__(self, model: str, tokenizer: str | None = None, **engine_args) -> None:
         self.config = EngineConfig(model=model, **engine_args)
-        self.core = EngineCore(self.config)
+        self.core = create_engine_core(self.config)
         self.tokenizer = load_tokenizer(tokenizer or model)
         self.eos_token_id, self.extra_stop_ids = stop_token_ids_for(model, self.tokenizer)
         self._ids = itertools.count()
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 priority: list[int] | None = None) -> list[RequestOutput]:
+                 priority: list[int] | None = None,
+                 structured_output: dict | list[dict | None] | None = None) -> list[RequestOutput]:
+        """``structured_output``: one spec for every prompt, or one (or None) per prompt
+        (see engine/structured_output.py)."""
         from engine.detokenizer import IncrementalDetokenizer
 
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
@@ -86,6 +89,9 @@ class LLM:
         params_list = sampling_params if isinstance(sampling_params, list) else [sampling_params or SamplingParams()] * len(prompts)
         if len(params_list) != len(prompts):
             raise InvalidRequestError("sampling_params list must be as long as prompts")
+        specs = structured_output if isinstance(structured_output, list) else [structured_output] * len(prompts)
+        if len(specs) != len(prompts):
+            raise InvalidRequestError("structured_output list must be as long as prompts")
         outputs: dict[str, RequestOutput] = {}
         detoks: dict[str, IncrementalDetokenizer] = {}
         order = []
@@ -114,7 +120,8 @@ class LLM:
                 continue
             self.core.add_request(EngineCoreRequest(
                 request_id=rid, prompt_token_ids=ids, sampling_params=engine_params,
-                eos_token_id=self.eos_token_id, priority=priority[i] if priority else 0))
+                eos_token_id=self.eos_token_id, priority=priority[i] if priority else 0,
+                structured_output=specs[i]))
         while self.core.has_unfinished_requests():
             outs, _ = self.core.step()
             for o in outs:
@@ -137,6 +144,31 @@ class LLM:
                     ro.text = det.output_text
         # outputs of requests aborted for a stop string arrive as "abort": keep "stop".
         return [outputs[rid] for rid in order]
+
+    def embed(self, texts, truncate: bool = True) -> list[list[float]]:
+        """Embeddings of a pooling model (runner_type "pooling"), one vector per text (or
+        list of token ids). ``truncate`` cuts inputs to max_model_len, as
+        sentence-transformers does; else a too-long input raises InvalidRequestError."""
+        if not hasattr(self.core, "embed"):
+            raise InvalidRequestError("embed() needs a pooling model (runner_type='pooling')")
+        if isinstance(texts, str) or (isinstance(texts, list) and texts and isinstance(texts[0], int)):
+            texts = [texts]
+        limit = self.core.max_model_len
+        rids = []
+        for item in texts:
+            ids = (self.tokenizer.encode(item, add_special_tokens=True, truncation=truncate, max_length=limit)
+                   if isinstance(item, str) else list(item))
+            self.core.check_prompt(ids)
+            rids.append(f"embed-{next(self._ids)}")
+            self.core.add_request(EngineCoreRequest(request_id=rids[-1], prompt_token_ids=ids,
+                                                    sampling_params=SamplingParams(max_tokens=1)))
+        vectors: dict[str, list[float]] = {}
+        while self.core.has_unfinished_requests():
+            for o in self.core.step()[0]:
+                if o.finish_reason == "error":
+                    raise InvalidRequestError(o.error or "embedding failed")
+                vectors[o.request_id] = o.pooled
+        return [vectors[r] for r in rids]
 
     def _tokenize(self, prompt) -> list[int]:
         if isinstance(prompt, str):

@@ -22,6 +22,9 @@ class EngineCoreRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
     client_index: int = 0  # which frontend gets the outputs
     # Structured output spec, e.g. {"type": "json_schema", "value": "..."} (issue 6).
     structured_output: dict | None = None
+    # Replay: tokens already generated under structured_output (the prompt's tail); the
+    # grammar consumes them before the first new token.
+    structured_output_prefix_tokens: list[int] | None = None
     # A replay (frontend/journal.py): the last N prompt tokens are output the request already
     # produced elsewhere; seeded sampling and presence/frequency penalties count them as output.
     num_prior_output_tokens: int = 0
@@ -44,6 +47,7 @@ class EngineCoreOutput(msgspec.Struct, kw_only=True, omit_defaults=True):
     num_cached_tokens: int = 0
     error: str | None = None  # set with finish_reason == "error"
     weight_version: str | None = None
+    pooled: list[float] | None = None  # pooling runner: the request's embedding
 
     @property
     def finished(self) -> bool:
@@ -63,3 +67,17 @@ class EngineCoreOutputs(msgspec.Struct, kw_only=True, omit_defaults=True):
     outputs: list[EngineCoreOutput] = []
     scheduler_stats: SchedulerStats | None = None
     timestamp: float = 0.0
+    iteration_details: list[IterationDetails] | None = None  # EngineConfig.iteration_details
+
+
+class IterationDetails(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """One engine step, for diagnosis (opt-in: EngineConfig.iteration_details)."""
+
+    step_index: int
+    request_ids: list[str] = []
+    num_scheduled_tokens: list[int] = []  # aligned with request_ids
+    step_s: float = 0.0
+    kv_usage: float = 0.0
+    num_preemptions: int = 0  # in this step
+    num_running: int = 0
+    num_waiting: int = 0

@@ -89,6 +89,7 @@ class Scheduler:
         self.waiting = _Waiting(policy)
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.admit_new = True  # False: waiting requests that never ran stay waiting (weight swap)
 
     # -- intake ---------------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -156,6 +157,8 @@ class Scheduler:
         if not out.preempted_req_ids:
             while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
                 req = self.waiting.peek()
+                if not self.admit_new and req.num_preemptions == 0:
+                    break
                 computed_blocks, num_computed = self.kv.get_computed_blocks(req)
                 num_new = req.num_tokens - num_computed
                 if num_new > budget:
@@ -184,6 +187,13 @@ class Scheduler:
         samples = req.num_computed_tokens == req.num_tokens
         req.in_flight = True
         out.scheduled.append(ScheduledRequest(req, num_new, start, blocks, samples))
+
+    def preempt_running(self) -> list[str]:
+        """Preempt every running request that is not in flight (they recompute their KV)."""
+        out = SchedulerOutput()
+        for req in [r for r in reversed(self.running) if not r.in_flight]:
+            self._preempt(req, out)
+        return out.preempted_req_ids
 
     def _pick_victim(self, exclude: set[str]) -> Request | None:
         candidates = [r for r in self.running if r.request_id not in exclude and not r.in_flight]

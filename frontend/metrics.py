@@ -104,6 +104,9 @@ class FrontendMetrics:
         self.last_replay_start_at_s = 0.0  # time.time() of the last replay submission
         self.last_replay_token_at_s = 0.0  # time.time() of the last replay's first token
         self._seen: dict[int, tuple[int | None, str]] = {}  # engine index -> (pid, state)
+        from frontend.iteration_metrics import IterationMetrics
+
+        self.iterations = IterationMetrics()  # engines' step records (EngineConfig.iteration_details)
 
     # -- recorders (frontend.generation) ---------------------------------------------------
     def record_request(self, *, finish_reason: str, num_prompt_tokens: int, num_output_tokens: int,
@@ -180,4 +183,5 @@ class FrontendMetrics:
         lines.append(f"# HELP {p}_http_requests_in_flight Generation requests this frontend is serving.")
         lines.append(f"# TYPE {p}_http_requests_in_flight gauge")
         lines.append(f"{p}_http_requests_in_flight {num_in_flight}")
+        self.iterations.render(lines)
         return "\n".join(lines) + "\n"

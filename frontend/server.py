@@ -1,6 +1,7 @@
 """The aiohttp application: routes, error bodies, health/readiness, metrics, draining.
 
     POST /v1/completions, /v1/chat/completions   (frontend.serving)
+    POST /v1/embeddings                           (frontend.embeddings, pooling models)
     GET  /v1/models
     GET  /health    200 while the process runs (liveness)
     GET  /ready     200 when at least one engine is running and we are not draining, else 503
@@ -41,6 +42,7 @@ class FrontendServer:
         self.created = R.now_s()
         self.draining = False
         self.num_in_flight = 0
+        self.embeddings = None  # frontend.embeddings.EmbeddingServing (create_server sets it)
         self._idle = asyncio.Event()
         self._idle.set()
 
@@ -49,6 +51,8 @@ class FrontendServer:
         app = web.Application(middlewares=[self._errors_middleware], client_max_size=MAX_BODY_BYTES)
         app.router.add_post("/v1/completions", self._generation(self.serving.completions))
         app.router.add_post("/v1/chat/completions", self._generation(self.serving.chat))
+        if self.embeddings is not None:
+            app.router.add_post("/v1/embeddings", self._generation(self.embeddings.embeddings))
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/health", self.health)
         app.router.add_get("/ready", self.ready)
@@ -169,6 +173,7 @@ def create_server(client, model_dir: str | Path, served_model_name: str | None =
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     model = load_model_info(model_dir, tokenizer, served_model_name, max_model_len, max_logprobs)
     metrics = FrontendMetrics(model.name)
+    client.on_iteration_details = metrics.iterations.observe
     generator = Generator(client, lambda ids, params: IncrementalDetokenizer(tokenizer, ids, params), metrics)
 
     def engine_max_model_len() -> int | None:
@@ -176,4 +181,10 @@ def create_server(client, model_dir: str | Path, served_model_name: str | None =
         return min(lens) if lens else max_model_len
 
     serving = OpenAIServing(generator, tokenizer, model, engine_max_model_len)
-    return FrontendServer(client, serving, metrics)
+    server = FrontendServer(client, serving, metrics)
+    from engine.pooling.loader import is_bert_config
+    from frontend.embeddings import EmbeddingServing
+
+    server.embeddings = EmbeddingServing(client, tokenizer, model.name, model.path, lambda: serving.max_model_len,
+                                         is_bert_config(_read_json(Path(model_dir) / "config.json")))
+    return server
