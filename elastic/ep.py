@@ -157,8 +157,7 @@ class ExpertParallel:
         back = x.new_empty(T * K, H)
         g.all_to_all(back, y, sc, rc)
         self.num_collectives += 4
-        pair_out = torch.empty_like(back)
-        pair_out[order] = back
+        pair_out = torch.empty_like(back).index_copy_(0, order, back)
         return (pair_out.view(T, K, H) * weights[..., None]).sum(dim=1)
 
 

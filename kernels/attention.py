@@ -53,7 +53,7 @@ def build_metadata(
         offs = torch.arange(block_size, dtype=torch.long)
         slots = (table[:, :, None] * block_size + offs).reshape(num_decode, -1)[:, :max_ctx]  # [B, L]
         ctx = torch.tensor(decode_ctx_lens, dtype=torch.long)
-        md.decode_slots = slots.to(device)
+        md.decode_slots = slots.contiguous().to(device)
         md.decode_mask = (torch.arange(max_ctx)[None, :] < ctx[:, None]).view(num_decode, 1, 1, max_ctx).to(device)
         slot_parts.append(slots.gather(1, (ctx - 1)[:, None]).view(-1))
     q_start = num_decode
@@ -86,8 +86,11 @@ def paged_attention(
     out = torch.empty_like(q)
     B = md.num_decode
     if B:
-        kd = k_cache[md.decode_slots].transpose(1, 2)  # [B, Hkv, L, D]
-        vd = v_cache[md.decode_slots].transpose(1, 2)
+        # index_select, not advanced indexing: several times faster on CPU.
+        B_, L = md.decode_slots.shape
+        flat = md.decode_slots.reshape(-1)
+        kd = k_cache.index_select(0, flat).view(B_, L, *k_cache.shape[1:]).transpose(1, 2)  # [B, Hkv, L, D]
+        vd = v_cache.index_select(0, flat).view(B_, L, *v_cache.shape[1:]).transpose(1, 2)
         qd = q[:B].unsqueeze(2)  # [B, Hq, 1, D]
         od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=md.decode_mask, scale=scale,
                                             enable_gqa=True)  # [B, Hq, 1, D]
@@ -99,8 +102,8 @@ def paged_attention(
             vs = v[p.q_start:p.q_start + p.q_len].transpose(0, 1).unsqueeze(0)
             o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=True)
         else:
-            ks = k_cache[p.slots].transpose(0, 1).unsqueeze(0)  # [1, Hkv, ctx, D]
-            vs = v_cache[p.slots].transpose(0, 1).unsqueeze(0)
+            ks = k_cache.index_select(0, p.slots).transpose(0, 1).unsqueeze(0)  # [1, Hkv, ctx, D]
+            vs = v_cache.index_select(0, p.slots).transpose(0, 1).unsqueeze(0)
             o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=p.mask, scale=scale, enable_gqa=True)
         out[p.q_start:p.q_start + p.q_len] = o.squeeze(0).transpose(0, 1)
     return out
