@@ -21,10 +21,13 @@ from tests.frontend._fakes import EOS, VOCAB, FakeDetokenizer, FakeEngineClient,
 
 
 @contextlib.asynccontextmanager
-async def serve(client: FakeEngineClient, max_model_len: int = 64):
+async def serve(client: FakeEngineClient, max_model_len: int = 64, max_replays: int | None = None):
+    from frontend.journal import RequestJournal
+
     tok = FakeTokenizer()
     metrics = FrontendMetrics("fake")
-    gen = Generator(client, lambda ids, params: FakeDetokenizer(tok, ids, params), metrics)
+    journal = RequestJournal(max_replays=max_replays) if max_replays is not None else None
+    gen = Generator(client, lambda ids, params: FakeDetokenizer(tok, ids, params), metrics, journal=journal)
     model = ModelInfo(name="fake", path="/models/fake", vocab_size=VOCAB, max_model_len=max_model_len,
                       eos_token_id=EOS)
     server = FrontendServer(client, OpenAIServing(gen, tok, model), metrics)
@@ -153,7 +156,8 @@ def test_engine_refusal_is_400_and_death_is_503_or_stream_error():
             with pytest.raises(openai.BadRequestError, match="structured output"):
                 await oai.completions.create(model="fake", prompt="x", extra_body={"guided_regex": "a"})
         client = FakeEngineClient(die_after=3)
-        async with serve(client) as (server, oai, base):
+        # Replay disabled: what a client sees when an engine death cannot be replayed.
+        async with serve(client, max_replays=0) as (server, oai, base):
             with pytest.raises(openai.InternalServerError) as ei:
                 await oai.completions.create(model="fake", prompt="x", max_tokens=10)
             assert ei.value.status_code == 503
@@ -169,7 +173,7 @@ def test_engine_refusal_is_400_and_death_is_503_or_stream_error():
                     raw = (await r.read()).decode()
             events = [e[len("data: "):] for e in raw.split("\n\n") if e]
             assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["code"] == "engine_dead"
-            assert "planaria_request_errors_total{kind=\"engine_dead\"} 3" in server.metrics.render()
+            assert "planaria_request_errors_total{kind=\"replay_limit\"} 3" in server.metrics.render()
     run(main())
 
 
