@@ -57,6 +57,7 @@ class EPController:
         self._counter = itertools.count()
         self._published: set[str] = set()
         self.last_action = "idle"
+        self.reuse_kv = True  # False: scale-up engines profile (bench/scale_up.py compares)
 
     def next_engine_id(self) -> str:
         return f"{self.engine_prefix}{next(self._counter)}"
@@ -82,7 +83,7 @@ class EPController:
                     or e in ranks]
         missing = target - len(set(existing) | set(self._launched))
         if missing > 0 and not any(e not in live for e in ranks):
-            budget = self.kv.smallest_for_group(self.fp, self.device_kind, ranks) if ranks else None
+            budget = self.kv.smallest_for_group(self.fp, self.device_kind, ranks) if ranks and self.reuse_kv else None
             for _ in range(missing):
                 eid = self.next_engine_id()
                 self._launched[eid] = now

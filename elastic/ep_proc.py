@@ -58,6 +58,7 @@ class EPEngineCoreProc(EngineCoreProc):
         self._watch = None
         self._reforming = False
         self.timings: dict[str, float] = {}
+        self._started_at = time.time()
 
     # -- etcd --------------------------------------------------------------------------------
     def _start_cluster(self) -> None:
@@ -76,7 +77,8 @@ class EPEngineCoreProc(EngineCoreProc):
                            addresses={"pid": str(os.getpid()), "engine_index": str(self.engine_index),
                                       "num_kv_blocks": str(core.num_kv_blocks if core else 0)},
                            kv_cache_bytes=core.kv_cache_bytes if core else 0,
-                           kv_source=core.kv_source if core else "")
+                           kv_source=core.kv_source if core else "",
+                           timings={**(core.init_timings if core else {}), **self.timings})
         try:
             self._membership.put_engine(rec)
         except Exception as exc:  # etcd down: remembered and re-written when it returns
@@ -129,6 +131,8 @@ class EPEngineCoreProc(EngineCoreProc):
         else:
             w = (epoch.world_size + 1) if epoch is not None else 1
             spec = EPSpec(epoch=-1, rank=w - 1, world_size=w, rendezvous="", expert_map=expert_map(spec_m.num_experts, w))
+        self.timings["started_at"] = self._started_at
+        self.timings["load_begin_at"] = time.time()
         self.core = make_ep_core(self.config, spec)
         self.ep = EPRank(self.core, spec)
         self.ep.spec = msgspec.structs.replace(spec, epoch=-1)  # not in a group yet
@@ -212,6 +216,7 @@ class EPEngineCoreProc(EngineCoreProc):
             self._lost_peer(exc)
             return
         self.timings["switch_s"] = time.monotonic() - t0
+        self.timings["serving_at"] = time.time()
         self.timings.update(self.ep.switch_times_s)
         if self._reforming:
             self._reforming = False

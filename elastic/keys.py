@@ -84,7 +84,8 @@ class EngineRecord(msgspec.Struct, kw_only=True):
     state: EngineState = EngineState.STARTING
     addresses: dict[str, str] = {}  # e.g. {"input": "tcp://...", "output": "tcp://..."}
     kv_cache_bytes: int = 0
-    kv_source: str = ""             # "profiled" | "registry" | "" (not yet known)
+    kv_source: str = ""             # "profiled" | "reused" | "given" | "" (not yet known)
+    timings: dict[str, float] = {}  # start-up and switch phases, seconds (bench/ reads them)
 
 
 class Epoch(msgspec.Struct, kw_only=True):

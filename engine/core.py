@@ -35,7 +35,9 @@ class EngineCore:
         if window and max_len > window:
             log.warning("capping max_model_len to the sliding window", window=window)
             max_len = window
+        t_load = time.monotonic()
         self.runner = ModelRunner(config, max_len, expert_range, progress)
+        self.init_timings = {"weights_s": time.monotonic() - t_load}
         self.vocab_size = self.runner.spec.vocab_size
         self.model_fingerprint = model_fingerprint(config.model)
         self.weight_version = self.model_fingerprint
@@ -52,6 +54,7 @@ class EngineCore:
             self.kv_source = config.kv_source or "given"
         else:
             self.profile = self.runner.profile()
+            self.init_timings["profile_s"] = self.profile.profile_s
             kv_bytes = self.profile.kv_cache_bytes
             self.kv_source = "profiled"
             log.info("memory profiled", budget_bytes=self.profile.budget_bytes,
@@ -60,7 +63,9 @@ class EngineCore:
         if kv_bytes < self.runner.bytes_per_block:
             raise KVCacheTooSmallError(
                 f"KV cache budget {kv_bytes} bytes is below one block ({self.runner.bytes_per_block} bytes)")
+        t_kv = time.monotonic()
         self.num_kv_blocks = self.runner.init_kv_cache(kv_bytes)
+        self.init_timings["kv_alloc_s"] = time.monotonic() - t_kv
         self.kv_cache_bytes = self.num_kv_blocks * self.runner.bytes_per_block
         capacity = self.num_kv_blocks * config.block_size
         if capacity < max_len and config.strict_max_model_len:
