@@ -107,6 +107,23 @@ class RestartPolicy:
         self.stable_s = float(stable_s)
         self._children: dict[Hashable, _ChildState] = {}
 
+    def reconfigure(self, **params: object) -> None:
+        """Change settings live (a reload), keeping every child's history and counts.
+        Takes the constructor's keyword names; validates them all before changing any."""
+        names = ("backoff_initial_s", "backoff_max_s", "backoff_factor", "flap_window_s",
+                 "flap_max_exits", "flap_hold_s", "retry_limit", "stable_s")
+        unknown = set(params) - set(names)
+        if unknown:
+            raise ValueError(f"unknown restart policy settings: {sorted(unknown)}")
+        merged = {name: params.get(name, getattr(self, name)) for name in names}
+        stable_s = merged.pop("stable_s")
+        fresh = RestartPolicy(**merged, stable_s=stable_s)  # validates
+        for name in names:
+            setattr(self, name, getattr(fresh, name))
+        for state in self._children.values():
+            state.flap.window_s = self.flap_window_s
+            state.flap.max_exits = self.flap_max_exits
+
     # -- facts reported by the supervisor ------------------------------------------------
 
     def record_start(self, child_id: Hashable, now: float) -> None:

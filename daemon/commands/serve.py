@@ -1,0 +1,105 @@
+"""Run the supervisor: the OpenAI frontend and N engine cores, kept alive.
+
+    planaria serve --model DIR --engines N --http HOST:PORT [--state-dir D]
+                   [--runtime-dir R] [--engine-config-json JSON] [--hang-timeout-s S] ...
+
+Spawns `python -m frontend.main` and N `python -m engine.proc` children, restarts them
+when they die (backoff, flap hold-off, --retry-limit), kills engines that hang (work
+queued, no step progress for --hang-timeout-s), reports every engine death to the
+frontend at once, serves the admin socket (RUNTIME_DIR/control.sock) for `planaria
+status|restart|drain|scale|logs`, and keeps each child's output in STATE_DIR/logs/.
+
+Under systemd (Type=notify): READY=1 once an engine serves, STATUS= lines, WATCHDOG=1
+from the main loop, STOPPING=1 on SIGTERM, RELOADING=1 on SIGHUP (re-reads --env-file
+and applies log level, restart policy, hang and stop timeouts, --max-engines live).
+
+Signals: SIGTERM/SIGINT drain (children get SIGTERM, SIGKILL after --stop-timeout-s; a
+second signal kills at once); SIGHUP reloads. Exit codes: 0 stopped cleanly; 1 failed
+(a child gave up, or another daemon holds the runtime dir); 2 bad configuration.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+NAME = "serve"
+HELP = "run the supervisor daemon (frontend + engine cores)"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from daemon.config import add_serve_arguments
+
+    add_serve_arguments(parser)
+
+
+def main(args: argparse.Namespace) -> int:
+    import zmq
+
+    from daemon import config as config_mod
+    from daemon import logging as plog
+    from daemon.children import PopenSpawner
+    from daemon.commands._common import admin_modules
+    from daemon.control import ControlServer, ensure_runtime_dir
+    from daemon.errors import DaemonAlreadyRunningError
+    from daemon.launch import frontend_addresses, heartbeat_address, log_dir
+    from daemon.loop import DeathReporter, SupervisorLoop, command_handler
+    from daemon.sd_notify import Notifier, watchdog_interval_s
+    from daemon.supervisor import EXIT_FAILURE, Supervisor
+
+    cli_flags = config_mod.given_flags(args)
+    try:
+        config = config_mod.load(cli_flags)
+    except config_mod.ConfigError as exc:
+        print(f"planaria serve: {exc}", file=sys.stderr)
+        return 2
+    if not Path(config.model).is_dir():
+        print(f"planaria serve: --model {config.model} is not a directory", file=sys.stderr)
+        return 2
+    interval_s = watchdog_interval_s()  # before the notifier unsets WATCHDOG_USEC
+    notifier = Notifier.from_environ(unset_environment=True)
+    plog.configure(level=config.log_level)
+    log = plog.get_logger("planaria.serve")
+    Path(config.state_dir).mkdir(parents=True, exist_ok=True)
+    log_dir(config).mkdir(parents=True, exist_ok=True)
+    ensure_runtime_dir(config.runtime_dir)
+
+    ctx = zmq.Context()
+    reporter = DeathReporter(ctx, frontend_addresses(config)[1])
+    supervisor = Supervisor(config, PopenSpawner(), time.monotonic, notifier=notifier,
+                            report_dead=reporter)
+    try:
+        control = ControlServer(config.runtime_dir, command_handler(supervisor, admin_modules()))
+    except DaemonAlreadyRunningError as exc:
+        print(f"planaria serve: {exc}", file=sys.stderr)
+        reporter.close()
+        ctx.term()
+        return EXIT_FAILURE
+    loop = SupervisorLoop(supervisor, control, heartbeat_address(config),
+                          reload_config=lambda: config_mod.reload(supervisor.config, cli_flags),
+                          watchdog=notifier.watchdog, watchdog_interval_s=interval_s, ctx=ctx)
+    loop.install_signal_handlers()
+    log.info("starting", model=config.model, engines=config.num_engines, http=config.http,
+             state_dir=config.state_dir, runtime_dir=config.runtime_dir,
+             watchdog_interval_s=interval_s)
+    code = EXIT_FAILURE
+    try:
+        code = loop.run()
+    except Exception:
+        log.exception("supervisor loop failed; killing children")
+        supervisor.kill_all()
+        for child in supervisor.live_children():
+            try:
+                child.popen.wait(10)
+            except Exception:  # noqa: BLE001 - best effort on the way out
+                pass
+    finally:
+        loop.close()
+        control.close()
+        reporter.close()
+        ctx.term()
+        notifier.close()
+    log.info("stopped", exit_code=code)
+    return code

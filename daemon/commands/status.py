@@ -1,0 +1,85 @@
+"""Show the daemon's engines and frontend.
+
+    planaria status [--json]
+
+Wire: {"command": "status", "args": {}} -> {"status": "...", "engines": [{"engine_id",
+"rank", "state", "pid", "uptime_s", "restarts", "num_running", "num_waiting",
+"kv_usage", "kv_cache_bytes", "kv_source", ...}], "frontend": {...}, "scale": ...}.
+kv_source is "profiled" (measured at start), "given" (--engine-config-json
+kv_cache_bytes) or "reused" (a scale-up engine that took the running engines' figure).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from daemon.commands._common import add_daemon_arguments, call, fail
+
+NAME = "status"
+HELP = "show engines (state, pid, uptime, restarts, load, KV) and the frontend"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_daemon_arguments(parser)
+    parser.add_argument("--json", action="store_true", help="print the raw status as JSON")
+
+
+def execute(supervisor, args: dict[str, Any]) -> dict[str, Any]:
+    return supervisor.status()
+
+
+def _fmt_s(v: float | None) -> str:
+    if v is None:
+        return "-"
+    v = int(v)
+    return f"{v // 3600}h{v % 3600 // 60:02d}m" if v >= 3600 else f"{v // 60}m{v % 60:02d}s"
+
+
+def _fmt_bytes(v: int | None) -> str:
+    if not v:
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if v < 1024 or unit == "TiB":
+            return f"{v:.0f}{unit}" if unit == "B" else f"{v:.1f}{unit}"
+        v /= 1024
+    return str(v)
+
+
+def render(data: dict[str, Any]) -> str:
+    def dash(v):
+        return "-" if v is None else str(v)
+
+    rows = [("ENGINE", "RANK", "STATE", "PID", "UPTIME", "RESTARTS", "RUN/WAIT", "KV USE",
+             "KV CACHE", "KV SOURCE")]
+    for e in data["engines"]:
+        load = "-" if e["num_running"] is None else f"{e['num_running']}/{e['num_waiting']}"
+        kv_use = "-" if e["kv_usage"] is None else f"{100 * e['kv_usage']:.0f}%"
+        rows.append((str(e["engine_id"]), str(e["rank"]), e["state"], dash(e["pid"]),
+                     _fmt_s(e["uptime_s"]), str(e["restarts"]), load, kv_use,
+                     _fmt_bytes(e["kv_cache_bytes"]), dash(e["kv_source"])))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = [data["status"]]
+    fe = data["frontend"]
+    lines.append(f"frontend: {fe['state']} pid {dash(fe['pid'])} on {data['http']}, "
+                 f"uptime {_fmt_s(fe['uptime_s'])}, restarts {fe['restarts']}")
+    if data.get("scale"):
+        s = data["scale"]
+        lines.append(f"scaling to {s['target']} (op {s['op_id']}): adding {s['adding']}, "
+                     f"removing {s['removing']}")
+    lines.append("")
+    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+    for e in data["engines"]:
+        if e["state"] in ("backoff", "failed", "drained", "waiting") and e["reason"]:
+            lines.append(f"engine {e['engine_id']}: {e['reason']}")
+    return "\n".join(lines)
+
+
+def main(args: argparse.Namespace) -> int:
+    try:
+        data = call(args, NAME)
+    except Exception as exc:  # noqa: BLE001 - fail() re-raises what it does not know
+        return fail(NAME, exc)
+    print(json.dumps(data, indent=2) if args.json else render(data))
+    return 0

@@ -1,0 +1,250 @@
+"""``ServeConfig``: what `planaria serve` runs, from its flags and an env file.
+
+Sources, later wins:
+
+- at start: built-in defaults <- the env file's settings <- the command line's flags;
+- on SIGHUP (reload): the running config's flags <- the env file's settings, read again
+  (so an edit of the file wins over the flags the unit passed at start).
+
+The env file (``--env-file``, systemd ``EnvironmentFile=`` syntax: ``KEY=value`` lines,
+``#`` comments, optional quotes; a missing file sets nothing) is where the unit's options live: ``PLANARIA_ARGS``
+holds `planaria serve` flags (split into words and unquoted, as systemd does with the
+unit's unbraced ``$PLANARIA_ARGS``: so JSON goes in a file, ``--engine-config-json
+@/etc/planaria/engine.json``), ``PLANARIA_LOG_LEVEL`` the log level. Only the settings in
+``LIVE_FIELDS`` apply to a running daemon; a changed value of any other field is
+reported as needing a restart and otherwise ignored.
+
+Defaults: state dir ``$STATE_DIRECTORY`` or ``./.state``; runtime dir
+``$RUNTIME_DIRECTORY`` or ``<state dir>/run``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from daemon.errors import DaemonError
+
+
+class ConfigError(DaemonError):
+    """A flag, env file or value that cannot make a ServeConfig."""
+
+
+class ServeConfig(msgspec.Struct, kw_only=True, frozen=True):
+    model: str
+    num_engines: int = 1
+    max_engines: int = 8
+    http: str = "127.0.0.1:8000"
+    state_dir: str = ".state"
+    runtime_dir: str = ""
+    env_file: str | None = None
+    engine_config: dict[str, Any] = {}
+    hang_timeout_s: float = 30.0
+    heartbeat_interval_s: float = 0.5
+    stop_timeout_s: float = 30.0  # SIGTERM, then this long to drain, then SIGKILL
+    handshake_timeout_s: float = 120.0
+    restart_backoff_s: float = 1.0
+    restart_backoff_max_s: float = 60.0
+    flap_window_s: float = 60.0
+    flap_max_exits: int = 5
+    flap_hold_s: float = 300.0
+    retry_limit: int | None = None
+    stable_s: float = 10.0
+    log_level: str = "INFO"
+
+    def validate(self) -> None:
+        if self.num_engines < 1:
+            raise ConfigError(f"--engines must be >= 1, got {self.num_engines}")
+        if self.max_engines < self.num_engines:
+            raise ConfigError(f"--max-engines ({self.max_engines}) must be >= --engines "
+                              f"({self.num_engines})")
+        host, sep, port = self.http.rpartition(":")
+        if not sep or not port.isdigit():
+            raise ConfigError(f"--http wants HOST:PORT, got {self.http!r}")
+        for name in ("hang_timeout_s", "heartbeat_interval_s", "stop_timeout_s",
+                     "handshake_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.heartbeat_interval_s * 2 > self.hang_timeout_s:
+            raise ConfigError("--hang-timeout-s must be at least twice the heartbeat interval")
+        if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
+            raise ConfigError(f"unknown log level {self.log_level!r}")
+        self.restart_policy()  # RestartPolicy validates its own numbers
+
+    def restart_policy(self):
+        from daemon.restart_policy import RestartPolicy
+
+        try:
+            return RestartPolicy(self.restart_backoff_s, self.restart_backoff_max_s, 2.0,
+                                 self.flap_window_s, self.flap_max_exits, self.flap_hold_s,
+                                 self.retry_limit, stable_s=self.stable_s)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from exc
+
+
+#: fields a reload applies to the running daemon; the rest need a restart
+LIVE_FIELDS = frozenset({"log_level", "hang_timeout_s", "stop_timeout_s", "max_engines",
+                         "restart_backoff_s", "restart_backoff_max_s", "flap_window_s",
+                         "flap_max_exits", "flap_hold_s", "retry_limit", "stable_s"})
+
+# (flag, field, type, help); every flag's default is "not given" (argparse.SUPPRESS), so
+# that the sources can be layered; the defaults shown come from ServeConfig.
+_FLAGS: list[tuple[str, str, Any, str]] = [
+    ("--model", "model", str, "Hugging Face model directory (required)"),
+    ("--engines", "num_engines", int, "engine-core processes to run (default 1)"),
+    ("--max-engines", "max_engines", int, "capacity: most engines `scale` may reach (default 8)"),
+    ("--http", "http", str, "HOST:PORT of the OpenAI HTTP server (default 127.0.0.1:8000)"),
+    ("--state-dir", "state_dir", str, "logs and state (default $STATE_DIRECTORY or ./.state)"),
+    ("--runtime-dir", "runtime_dir", str,
+     "sockets, mode 0700 (default $RUNTIME_DIRECTORY or STATE_DIR/run)"),
+    ("--env-file", "env_file", str,
+     "env file with PLANARIA_ARGS / PLANARIA_LOG_LEVEL, re-read on SIGHUP"),
+    ("--engine-config-json", "engine_config", "json",
+     "EngineConfig fields as JSON, or @FILE holding it, e.g. '{\"max_model_len\": 256}'"),
+    ("--hang-timeout-s", "hang_timeout_s", float,
+     "kill an engine with work and no step progress this long (default 30)"),
+    ("--heartbeat-interval-s", "heartbeat_interval_s", float, "engine heartbeat period (default 0.5)"),
+    ("--stop-timeout-s", "stop_timeout_s", float,
+     "drain time after SIGTERM before SIGKILL, for stop/restart/drain (default 30)"),
+    ("--handshake-timeout-s", "handshake_timeout_s", float,
+     "an engine that cannot reach the frontend this long exits (default 120)"),
+    ("--restart-backoff-s", "restart_backoff_s", float, "first restart delay, doubling (default 1)"),
+    ("--restart-backoff-max-s", "restart_backoff_max_s", float, "longest restart delay (default 60)"),
+    ("--flap-window-s", "flap_window_s", float, "flap window (default 60)"),
+    ("--flap-max-exits", "flap_max_exits", int, "exits in the window that mean flapping (default 5)"),
+    ("--flap-hold-s", "flap_hold_s", float, "hold-off after flapping (default 300)"),
+    ("--retry-limit", "retry_limit", int,
+     "give up a child after this many failures in a row (default: never)"),
+    ("--stable-s", "stable_s", float, "uptime after which a child's backoff resets (default 10)"),
+    ("--log-level", "log_level", str, "DEBUG, INFO, WARNING or ERROR (default INFO)"),
+]
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    for flag, field, kind, help_ in _FLAGS:
+        parser.add_argument(flag, dest=field, type=str if kind == "json" else kind,
+                            default=argparse.SUPPRESS, help=help_)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="planaria serve", add_help=False,
+                                     exit_on_error=False)
+    add_serve_arguments(parser)
+    return parser
+
+
+def given_flags(namespace: argparse.Namespace) -> dict[str, Any]:
+    """The ServeConfig fields a parsed command line set explicitly."""
+    fields = {field for _flag, field, _kind, _help in _FLAGS}
+    return {k: v for k, v in vars(namespace).items() if k in fields}
+
+
+def parse_env_file(text: str) -> dict[str, str]:
+    """systemd ``EnvironmentFile=`` lines: ``KEY=value``; quotes and ``#`` comments."""
+    env: dict[str, str] = {}
+    for num, raw in enumerate(text.splitlines(), 1):
+        line = raw.strip()
+        if not line or line.startswith(("#", ";")):
+            continue
+        key, sep, value = line.partition("=")
+        key = key.strip()
+        if not sep or not key.isidentifier():
+            raise ConfigError(f"env file line {num}: not KEY=value: {raw!r}")
+        value = value.strip()
+        if len(value) >= 2 and value[0] == value[-1] and value[0] in "\"'":
+            value = value[1:-1]
+        env[key] = value
+    return env
+
+
+def env_file_flags(path: str | os.PathLike) -> dict[str, Any]:
+    """The fields an env file sets (its PLANARIA_ARGS flags and PLANARIA_LOG_LEVEL)."""
+    try:
+        env = parse_env_file(Path(path).read_text())
+    except FileNotFoundError:
+        return {}  # like systemd's EnvironmentFile=-PATH: a missing file sets nothing
+    except OSError as exc:
+        raise ConfigError(f"cannot read env file {path}: {exc}") from exc
+    flags: dict[str, Any] = {}
+    if env.get("PLANARIA_ARGS"):
+        try:
+            # split and unquoted as the unit's unbraced $PLANARIA_ARGS is (shell-like words)
+            namespace, extra = _parser().parse_known_args(shlex.split(env["PLANARIA_ARGS"]))
+        except (argparse.ArgumentError, ValueError) as exc:
+            raise ConfigError(f"{path}: PLANARIA_ARGS: {exc}") from exc
+        if extra:
+            raise ConfigError(f"{path}: PLANARIA_ARGS: unknown arguments {extra}")
+        flags.update(given_flags(namespace))
+    if env.get("PLANARIA_LOG_LEVEL"):
+        flags["log_level"] = env["PLANARIA_LOG_LEVEL"]
+    flags.pop("env_file", None)  # the file does not move itself
+    return flags
+
+
+def build(flags: Mapping[str, Any], environ: Mapping[str, str] | None = None) -> ServeConfig:
+    """A validated ServeConfig from explicit field values, filling the defaults."""
+    env = os.environ if environ is None else environ
+    values = dict(flags)
+    if "model" not in values:
+        raise ConfigError("--model is required (on the command line or in PLANARIA_ARGS)")
+    if isinstance(values.get("engine_config"), str):
+        text = values["engine_config"]
+        if text.startswith("@"):
+            try:
+                text = Path(text[1:]).read_text()
+            except OSError as exc:
+                raise ConfigError(f"--engine-config-json {text}: {exc}") from exc
+        try:
+            values["engine_config"] = msgspec.json.decode(text)
+        except msgspec.DecodeError as exc:
+            raise ConfigError(f"--engine-config-json is not JSON: {exc}") from exc
+        if not isinstance(values["engine_config"], dict):
+            raise ConfigError("--engine-config-json must be a JSON object")
+    state = values.get("state_dir") or (env.get("STATE_DIRECTORY", "").split(":")[0] or ".state")
+    values["state_dir"] = str(Path(state).absolute())
+    runtime = values.get("runtime_dir") or env.get("RUNTIME_DIRECTORY", "").split(":")[0] \
+        or str(Path(values["state_dir"]) / "run")
+    values["runtime_dir"] = str(Path(runtime).absolute())
+    values["model"] = str(Path(values["model"]).absolute())
+    if values.get("env_file"):
+        values["env_file"] = str(Path(values["env_file"]).absolute())
+    values["log_level"] = str(values.get("log_level", "INFO")).upper()
+    try:
+        config = msgspec.convert(values, ServeConfig)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(f"bad setting: {exc}") from exc
+    config.validate()
+    return config
+
+
+def load(cli_flags: Mapping[str, Any], environ: Mapping[str, str] | None = None) -> ServeConfig:
+    """At start: defaults <- env file <- command line."""
+    file_flags = env_file_flags(cli_flags["env_file"]) if cli_flags.get("env_file") else {}
+    return build({**file_flags, **cli_flags}, environ)
+
+
+def reload(current: ServeConfig, cli_flags: Mapping[str, Any],
+           environ: Mapping[str, str] | None = None) -> ServeConfig:
+    """On SIGHUP: the start flags <- the env file read again (no file: unchanged)."""
+    if not current.env_file:
+        return current
+    return build({**cli_flags, **env_file_flags(current.env_file)}, environ)
+
+
+def live_changes(old: ServeConfig, new: ServeConfig) -> tuple[dict[str, Any], list[str]]:
+    """(fields that apply live with their new values, names of changed fields that need
+    a restart)."""
+    live, restart = {}, []
+    for field in old.__struct_fields__:
+        if getattr(old, field) != getattr(new, field):
+            if field in LIVE_FIELDS:
+                live[field] = getattr(new, field)
+            else:
+                restart.append(field)
+    return live, restart

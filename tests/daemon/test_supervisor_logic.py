@@ -1,0 +1,331 @@
+"""Supervisor logic with a fake spawner, a fake clock and fake notifier/reporter."""
+
+from __future__ import annotations
+
+import signal
+
+import pytest
+
+from daemon import config as config_mod
+from daemon.envelope import ErrorCode
+from daemon.errors import AdminError
+from daemon.supervisor import EXIT_FAILURE, SlotState, Supervisor
+from engine.heartbeat import Heartbeat
+
+
+class FakeChild:
+    def __init__(self, spec, pid):
+        self.spec, self.pid = spec, pid
+        self.signals: list[int] = []
+        self.returncode = None
+
+    def poll(self):
+        return self.returncode
+
+    def send_signal(self, sig):
+        self.signals.append(sig)
+        return self.returncode is None
+
+
+class FakeSpawner:
+    def __init__(self):
+        self.children: list[FakeChild] = []
+        self._pid = 1000
+
+    def spawn(self, spec):
+        self._pid += 1
+        child = FakeChild(spec, self._pid)
+        self.children.append(child)
+        return child
+
+    def live(self, key):
+        return [c for c in self.children if c.spec.key == key and c.returncode is None]
+
+
+class Clock:
+    def __init__(self):
+        self.t = 100.0
+
+    def __call__(self):
+        return self.t
+
+
+class FakeNotifier:
+    def __init__(self):
+        self.lines: list[str] = []
+
+    def ready(self, status=None):
+        self.lines.append(f"READY=1 {status}")
+
+    def status(self, text):
+        self.lines.append(f"STATUS={text}")
+
+    def stopping(self, status=None):
+        self.lines.append("STOPPING=1")
+
+    def reloading(self, status=None):
+        self.lines.append("RELOADING=1")
+
+
+def make(num_engines=2, **flags):
+    cfg = config_mod.build({"model": "/m", "num_engines": num_engines, "state_dir": "/s",
+                            "restart_backoff_s": 1.0, "hang_timeout_s": 5.0,
+                            "stop_timeout_s": 10.0, "stable_s": 0.0, **flags}, environ={})
+    spawner, clock, notifier, deaths = FakeSpawner(), Clock(), FakeNotifier(), []
+    sup = Supervisor(cfg, spawner, clock, notifier=notifier,
+                     report_dead=lambda e, pid, reason: deaths.append((e, pid, reason)))
+    sup.start()
+    return sup, spawner, clock, notifier, deaths
+
+
+def beat(sup, engine_id, step=0, has_work=False, state="running", kv=1 << 20, source="profiled"):
+    child = sup.engines[engine_id].child
+    sup.on_heartbeat(Heartbeat(engine_index=engine_id, pid=child.pid, step_counter=step,
+                               has_work=has_work, state=state, kv_cache_bytes=kv,
+                               kv_source=source))
+
+
+def die(sup, child, code=-9):
+    child.returncode = code
+    sup.on_exit(child)
+
+
+def engine_child(spawner, engine_id):
+    return spawner.live(("engine", engine_id))[-1]
+
+
+def test_start_spawns_frontend_then_engines_and_ready_on_first_serving_engine():
+    sup, spawner, clock, notifier, _ = make()
+    assert [c.spec.key for c in spawner.children] == [("frontend",), ("engine", 0), ("engine", 1)]
+    assert spawner.children[1].spec.argv[1:3] == ["-m", "engine.proc"]
+    assert not any(line.startswith("READY") for line in notifier.lines)
+    beat(sup, 0)
+    assert notifier.lines[-1] == "READY=1 1/2 engines up, 0 restarts, frontend running"
+    beat(sup, 1)
+    assert notifier.lines[-1] == "STATUS=2/2 engines up, 0 restarts, frontend running"
+
+
+def test_engine_death_is_reported_first_then_restarted_with_backoff():
+    sup, spawner, clock, _, deaths = make()
+    beat(sup, 0)
+    old = engine_child(spawner, 0)
+    die(sup, old)
+    assert deaths == [(0, old.pid, "killed by SIGKILL")]
+    # the first failure waits backoff_initial_s (1 s)
+    assert sup.engines[0].state is SlotState.BACKOFF
+    assert sup.tick() == pytest.approx(clock.t + 1.0)
+    clock.t += 1.0
+    sup.tick()
+    new = engine_child(spawner, 0)
+    assert new is not old and sup.engines[0].state is SlotState.STARTING
+    assert sup.policy.restarts(("engine", 0)) == 1
+    # it dies again before it ever served: the backoff doubles
+    die(sup, new, 1)
+    assert sup.engines[0].due_at == pytest.approx(clock.t + 2.0)
+    assert sup.status()["engines"][0]["reason"] == "exit code 1"
+
+
+def test_heartbeat_of_an_older_incarnation_is_ignored():
+    sup, spawner, _, _, _ = make()
+    old = engine_child(spawner, 0)
+    die(sup, old)
+    sup.on_heartbeat(Heartbeat(engine_index=0, pid=old.pid, step_counter=1, has_work=True,
+                               state="running"))
+    assert sup.engines[0].state is SlotState.BACKOFF and sup.engines[0].heartbeat is None
+    assert 0 not in sup.hang.check(1e9)
+
+
+def test_retry_limit_gives_up_and_all_failed_engines_stop_the_daemon():
+    sup, spawner, clock, notifier, _ = make(num_engines=1, retry_limit=1)
+    die(sup, engine_child(spawner, 0), 1)
+    clock.t += 1
+    sup.tick()
+    die(sup, engine_child(spawner, 0), 1)
+    assert sup.engines[0].state is SlotState.FAILED
+    assert "retry limit 1" in sup.engines[0].reason
+    assert sup.shutting_down and sup.exit_code == EXIT_FAILURE
+    assert "STOPPING=1" in notifier.lines
+    fe = spawner.live(("frontend",))[0]
+    assert fe.signals == [signal.SIGTERM]
+    die(sup, fe, 0)
+    assert sup.done
+
+
+def test_hung_engine_is_killed_reported_and_restarted():
+    sup, spawner, clock, _, deaths = make()
+    beat(sup, 0, step=1, has_work=True)
+    beat(sup, 1, step=1, has_work=False)
+    clock.t += 4.9
+    beat(sup, 0, step=1, has_work=True)  # no progress, but not yet 5 s
+    sup.tick()
+    hung = engine_child(spawner, 0)
+    assert hung.signals == []
+    clock.t += 0.2
+    sup.tick()
+    assert hung.signals == [signal.SIGKILL]
+    assert engine_child(spawner, 1).signals == []  # idle engines are never hung
+    die(sup, hung)
+    assert deaths[-1][0] == 0 and deaths[-1][2].startswith("hung: work queued")
+    assert sup.engines[0].state is SlotState.BACKOFF
+    clock.t += 1.0
+    sup.tick()
+    assert sup.engines[0].state is SlotState.STARTING
+
+
+def test_frontend_death_restarts_it_and_recycles_the_engines():
+    sup, spawner, clock, _, deaths = make()
+    beat(sup, 0)
+    beat(sup, 1)
+    clock.t += 1
+    sup.tick()
+    fe = spawner.live(("frontend",))[0]
+    die(sup, fe, 1)
+    assert sup.frontend.state is SlotState.BACKOFF
+    clock.t += 1
+    sup.tick()
+    new_fe = spawner.live(("frontend",))[0]
+    assert new_fe is not fe
+    olds = [engine_child(spawner, i) for i in (0, 1)]
+    assert all(c.signals == [signal.SIGKILL] for c in olds)
+    for c in olds:
+        die(sup, c)
+    assert [engine_child(spawner, i) is not old for i, old in enumerate(olds)] == [True, True]
+    assert sup.policy.num_failures(("engine", 0)) == 0  # not an engine failure
+    assert sup.policy.restarts(("frontend",)) == 1
+
+
+def test_frontend_in_backoff_keeps_engines_waiting():
+    sup, spawner, clock, _, _ = make()
+    die(sup, spawner.live(("frontend",))[0], 1)
+    assert sup.frontend.state is SlotState.BACKOFF
+    for i in (0, 1):
+        c = engine_child(spawner, i)
+        die(sup, c)
+    assert {s.state for s in sup.engines.values()} == {SlotState.WAITING}
+    clock.t = sup.frontend.due_at
+    sup.tick()
+    assert sup.frontend.state is SlotState.STARTING
+    assert {s.state for s in sup.engines.values()} == {SlotState.STARTING}
+
+
+def test_restart_and_drain_commands():
+    sup, spawner, clock, _, _ = make()
+    beat(sup, 0)
+    old = engine_child(spawner, 0)
+    sup.restart_engine(0)
+    assert old.signals == [signal.SIGTERM] and sup.engines[0].state is SlotState.STOPPING
+    with pytest.raises(AdminError) as err:
+        sup.drain_engine(0)
+    assert err.value.code is ErrorCode.CONFLICT
+    die(sup, old, 0)
+    assert sup.engines[0].state is SlotState.STARTING
+    assert sup.policy.num_failures(("engine", 0)) == 0
+    d = engine_child(spawner, 1)
+    assert sup.drain_engine(1)["changed"]
+    die(sup, d, 0)
+    assert sup.engines[1].state is SlotState.DRAINED
+    assert sup.drain_engine(1)["changed"] is False
+    sup.restart_engine(1)
+    assert sup.engines[1].state is SlotState.STARTING
+    with pytest.raises(AdminError) as err:
+        sup.restart_engine(7)
+    assert err.value.code is ErrorCode.UNKNOWN_ENGINE
+
+
+def test_stop_timeout_sigkills():
+    sup, spawner, clock, _, _ = make(num_engines=1)
+    c = engine_child(spawner, 0)
+    sup.drain_engine(0)
+    assert sup.tick() == pytest.approx(clock.t + 10.0)
+    clock.t += 10.0
+    sup.tick()
+    assert c.signals == [signal.SIGTERM, signal.SIGKILL]
+
+
+def test_scale_up_reuses_kv_figure_and_conflicts_while_in_progress():
+    sup, spawner, clock, _, _ = make(max_engines=4)
+    beat(sup, 0, kv=3 << 20)
+    beat(sup, 1, kv=2 << 20)
+    result = sup.scale_to(3)
+    assert result["adding"] == [2] and result["changed"]
+    spec = engine_child(spawner, 2).spec
+    config_json = spec.argv[spec.argv.index("--config-json") + 1]
+    assert f'"kv_cache_bytes":{2 << 20}' in config_json and '"kv_source":"reused"' in config_json
+    for bad, code in ((4, ErrorCode.CONFLICT), (0, ErrorCode.BAD_ARGUMENT),
+                      (5, ErrorCode.BAD_ARGUMENT), ("x", ErrorCode.BAD_ARGUMENT)):
+        with pytest.raises(AdminError) as err:
+            sup.scale_to(bad)
+        assert err.value.code is (ErrorCode.BAD_ARGUMENT if bad in (0, 5, "x") else code)
+    assert len(sup.engines) == 3 and len(spawner.children) == 4  # nothing changed
+    beat(sup, 2, source="reused")
+    assert sup.scale_op is None
+    assert sup.status()["engines"][2]["kv_source"] == "reused"
+
+
+def test_scale_down_drains_the_highest_ids_then_removes_them():
+    sup, spawner, clock, _, deaths = make(num_engines=3)
+    for i in range(3):
+        beat(sup, i)
+    result = sup.scale_to(1)
+    assert result["removing"] == [1, 2]
+    with pytest.raises(AdminError):
+        sup.scale_to(2)
+    for i in (1, 2):
+        c = engine_child(spawner, i)
+        assert c.signals == [signal.SIGTERM]
+        die(sup, c, 0)
+    assert sorted(sup.engines) == [0] and sup.scale_op is None
+    assert len(deaths) == 2  # still reported, so nothing waits on them
+    assert sup.status()["num_engines"] == 1
+
+
+def test_shutdown_sigterms_everyone_and_finishes_when_all_exited():
+    sup, spawner, clock, notifier, _ = make()
+    sup.begin_shutdown()
+    live = [c for c in spawner.children if c.returncode is None]
+    assert all(c.signals == [signal.SIGTERM] for c in live)
+    with pytest.raises(AdminError) as err:
+        sup.scale_to(3)
+    assert err.value.code is ErrorCode.UNAVAILABLE
+    for c in live:
+        die(sup, c, 0)
+    assert sup.done and sup.exit_code == 0
+    assert len(spawner.children) == 3  # nothing restarted
+
+
+def test_reload_applies_live_fields_and_reports_the_rest(tmp_path):
+    sup, spawner, clock, notifier, _ = make()
+    new = config_mod.build({"model": "/other", "num_engines": 2, "state_dir": "/s",
+                            "hang_timeout_s": 9.0, "restart_backoff_s": 0.5,
+                            "stable_s": 0.0, "stop_timeout_s": 10.0}, environ={})
+    result = sup.reload(new)
+    assert result["applied"] == {"hang_timeout_s": 9.0, "restart_backoff_s": 0.5}
+    assert result["needs_restart"] == ["model"]
+    assert sup.hang.hang_timeout_s == 9.0 and sup.policy.backoff_initial_s == 0.5
+    assert sup.config.model == "/m"
+    assert notifier.lines[-2:] == ["RELOADING=1", "READY=1 0/2 engines up, 0 restarts, frontend starting"]
+
+
+def test_env_file_layering(tmp_path):
+    env = tmp_path / "planaria.env"
+    (tmp_path / "engine.json").write_text('{"a": 1}')
+    env.write_text("# comment\nPLANARIA_ARGS='--model /m --engines 3 --hang-timeout-s 7 "
+                   f"--engine-config-json @{tmp_path}/engine.json'\n"
+                   "PLANARIA_LOG_LEVEL=debug\n")
+    cli = {"env_file": str(env), "num_engines": 2}
+    cfg = config_mod.load(cli, environ={"STATE_DIRECTORY": "/var/lib/p", "RUNTIME_DIRECTORY": "/run/p"})
+    assert (cfg.num_engines, cfg.hang_timeout_s, cfg.log_level) == (2, 7.0, "DEBUG")
+    assert cfg.engine_config == {"a": 1}
+    assert (cfg.state_dir, cfg.runtime_dir) == ("/var/lib/p", "/run/p")
+    env.write_text("PLANARIA_ARGS=--model /m --engines 4 --hang-timeout-s 8\n")
+    new = config_mod.reload(cfg, cli, environ={"STATE_DIRECTORY": "/var/lib/p",
+                                               "RUNTIME_DIRECTORY": "/run/p"})
+    assert (new.num_engines, new.hang_timeout_s) == (4, 8.0)
+    live, restart = config_mod.live_changes(cfg, new)
+    assert live == {"hang_timeout_s": 8.0, "log_level": "INFO"}
+    assert restart == ["num_engines", "engine_config"]
+    env.write_text("PLANARIA_ARGS=--model /m --bogus\n")
+    with pytest.raises(config_mod.ConfigError):
+        config_mod.reload(cfg, cli, environ={})
+    with pytest.raises(config_mod.ConfigError):
+        config_mod.build({"num_engines": 1}, environ={})

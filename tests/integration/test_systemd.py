@@ -1,0 +1,129 @@
+"""`planaria serve` under a real systemd (systemd-nspawn), from a test copy of the shipped
+unit: READY, reload, restart after the main process is killed, the watchdog, a clean stop.
+
+The container sees the repository, the venv and the Python installation the venv points
+at, and the demo model, all bound read-only; the unit's state and runtime dirs are the
+container's own (/var/lib/planaria, /run/planaria).
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.daemon.nspawn import NspawnSystem, unavailable_reason
+
+REPO = Path(__file__).resolve().parents[2]
+UNIT = REPO / "systemd" / "planaria.service"
+VENV = REPO / ".venv"
+ENGINE_CONFIG = {"kv_cache_bytes": 16 * 2**20, "max_model_len": 256, "num_threads": 1}
+MODEL_INSIDE = Path("/srv/planaria-test-model")  # PrivateTmp= hides the host's /tmp
+
+pytestmark = [pytest.mark.systemd, pytest.mark.timeout(420)]
+
+
+def _python_home() -> Path:
+    """The installation the venv's python links to (e.g. /root/.pyenv/versions/3.11.7)."""
+    real = (VENV / "bin" / "python").resolve()
+    return real.parents[1]
+
+
+def test_unit_under_real_systemd(tiny_moe, tmp_path):
+    reason = unavailable_reason()
+    if reason:
+        pytest.skip(reason)
+    if not (VENV / "bin" / "planaria").exists():
+        pytest.skip("no .venv/bin/planaria (pip install -e . first)")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    unit_dir = tmp_path / "units"
+    unit_dir.mkdir()
+    args = (f"--model {MODEL_INSIDE} --engines 1 --http 127.0.0.1:{port} "
+            "--engine-config-json @/etc/systemd/system/engine.json "
+            f"--stop-timeout-s 8")
+    (unit_dir / "engine.json").write_text(json.dumps(ENGINE_CONFIG))
+    (unit_dir / "planaria.env").write_text(f"PLANARIA_ARGS='{args}'\nPLANARIA_LOG_LEVEL=INFO\n")
+    text = UNIT.read_text()
+    text = text.replace(
+        "ExecStart=/opt/planaria/.venv/bin/planaria serve --env-file /etc/planaria/planaria.env",
+        f"ExecStart={VENV}/bin/planaria serve --env-file /etc/systemd/system/planaria.env")
+    text = text.replace("EnvironmentFile=-/etc/planaria/planaria.env",
+                        "EnvironmentFile=/etc/systemd/system/planaria.env")
+    text = text.replace("WatchdogSec=30", "WatchdogSec=4").replace("RestartSec=2", "RestartSec=1")
+    text = text.replace("TimeoutStopSec=60", "TimeoutStopSec=15\nTimeoutAbortSec=3")
+    text = text.replace("\n[Service]\n", "\n[Service]\nEnvironment=OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1\n")
+    assert f"ExecStart={VENV}/bin/planaria serve" in text
+    (unit_dir / "planaria.service").write_text(text)
+
+    binds = [(REPO, REPO), (_python_home(), _python_home()), (Path(tiny_moe), MODEL_INSIDE)]
+    with NspawnSystem(unit_dir, binds_ro=binds) as system:
+        print(f"container booted in {system.boot_s:.1f}s")
+
+        def show(*props):
+            return system.show("planaria.service", *props)
+
+        def cli(*argv, timeout_s=30.0):
+            return system.run([f"{VENV}/bin/planaria", *argv], timeout_s=timeout_s)
+
+        def wait_active(timeout_s=120.0, restarts=None):
+            deadline = time.monotonic() + timeout_s
+            while time.monotonic() < deadline:
+                p = show("ActiveState", "SubState", "NRestarts", "StatusText", "MainPID")
+                if p["ActiveState"] == "active" and p["SubState"] == "running" and \
+                        (restarts is None or p["NRestarts"] == str(restarts)) and \
+                        "1/1 engines up" in p["StatusText"]:
+                    return p
+                time.sleep(0.5)
+            raise AssertionError(f"not active: {p}\n{system.journal('planaria.service', 80)}")
+
+        started = time.monotonic()
+        result = system.systemctl("start", "planaria.service", timeout_s=150)
+        assert result.returncode == 0, system.journal("planaria.service", 80)
+        props = wait_active()
+        print(f"active (READY=1) {time.monotonic() - started:.1f}s after start: {props['StatusText']}")
+        assert show("WatchdogUSec")["WatchdogUSec"] == "4s"
+        status = json.loads(cli("status", "--json").stdout)  # finds /run/planaria itself
+        assert status["num_up"] == 1 and status["state_dir"] == "/var/lib/planaria"
+        first_pid = props["MainPID"]
+
+        # reload: RELOADING=1, re-read the env file, READY=1; the same process serves on
+        (unit_dir / "planaria.env").write_text(
+            f"PLANARIA_ARGS='{args} --hang-timeout-s 45'\nPLANARIA_LOG_LEVEL=DEBUG\n")
+        result = system.systemctl("reload", "planaria.service", timeout_s=30)
+        assert result.returncode == 0, system.journal("planaria.service", 40)
+        time.sleep(0.5)
+        props = wait_active(restarts=0)
+        assert props["MainPID"] == first_pid
+        journal = system.journal("planaria.service", 200)
+        assert '"event": "reloaded"' in journal and "hang_timeout_s" in journal
+
+        # the main process killed outright: children die with it, systemd restarts it
+        system.run(["kill", "-KILL", first_pid], check=True)
+        props = wait_active(restarts=1)
+        assert props["MainPID"] != first_pid
+        print("restarted after SIGKILL of the main process")
+
+        # a stopped supervisor stops its WATCHDOG=1 pings: systemd aborts and restarts it
+        stopped_pid = props["MainPID"]
+        system.run(["kill", "-STOP", stopped_pid], check=True)
+        t0 = time.monotonic()
+        props = wait_active(restarts=2, timeout_s=150)
+        print(f"watchdog restart {time.monotonic() - t0:.1f}s after SIGSTOP")
+        assert props["MainPID"] != stopped_pid
+        assert "watchdog" in system.journal("planaria.service", 400).lower()
+
+        # stop: STOPPING=1, children drained, the supervisor exits 0
+        t0 = time.monotonic()
+        result = system.systemctl("stop", "planaria.service", timeout_s=60)
+        assert result.returncode == 0
+        props = show("ActiveState", "Result", "ExecMainStatus", "ExecMainCode")
+        print(f"stopped in {time.monotonic() - t0:.1f}s: {props}")
+        assert (props["ActiveState"], props["Result"], props["ExecMainStatus"]) == (
+            "inactive", "success", "0"), system.journal("planaria.service", 80)
+        journal = system.journal("planaria.service", 400)
+        assert '"event": "stopped"' in journal and '"exit_code": 0' in journal
