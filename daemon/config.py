@@ -57,8 +57,17 @@ class ServeConfig(msgspec.Struct, kw_only=True, frozen=True):
     retry_limit: int | None = None
     stable_s: float = 10.0
     log_level: str = "INFO"
+    # Expert parallelism (elastic/): "replica" = independent engines; "ep" = one EP group
+    # whose membership lives in etcd (embedded under the state dir unless endpoints given).
+    parallel: str = "replica"
+    etcd_endpoints: str = ""  # comma-separated host:port; empty: start an embedded etcd
+    cluster: str = "default"
+    node_id: str = ""  # default: the host name
+    rendezvous: str = ""  # host:port of this node's TCPStore for EP groups; empty: a free loopback port
 
     def validate(self) -> None:
+        if self.parallel not in ("replica", "ep"):
+            raise ConfigError(f"--parallel must be 'replica' or 'ep', got {self.parallel!r}")
         if self.num_engines < 1:
             raise ConfigError(f"--engines must be >= 1, got {self.num_engines}")
         if self.max_engines < self.num_engines:
@@ -123,6 +132,13 @@ _FLAGS: list[tuple[str, str, Any, str]] = [
      "give up a child after this many failures in a row (default: never)"),
     ("--stable-s", "stable_s", float, "uptime after which a child's backoff resets (default 10)"),
     ("--log-level", "log_level", str, "DEBUG, INFO, WARNING or ERROR (default INFO)"),
+    ("--parallel", "parallel", str,
+     "replica (independent engines, default) or ep (experts sharded across the engines)"),
+    ("--etcd-endpoints", "etcd_endpoints", str,
+     "ep: etcd cluster host:port[,...] (default: an embedded etcd under the state dir)"),
+    ("--cluster", "cluster", str, "ep: cluster name, the etcd key prefix /planaria/NAME/ (default: default)"),
+    ("--node-id", "node_id", str, "ep: this node's id in the cluster (default: the host name)"),
+    ("--rendezvous", "rendezvous", str, "ep: HOST:PORT of this node's process-group store (default: free port)"),
 ]
 
 

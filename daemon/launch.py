@@ -56,8 +56,21 @@ def _json(value: Any) -> str:
     return msgspec.json.encode(value).decode()
 
 
+def node_id(config: ServeConfig) -> str:
+    import socket
+
+    return config.node_id or socket.gethostname()
+
+
+def ep_engine_id(config: ServeConfig, engine_id: int) -> str:
+    """The cluster-wide id of this node's engine ``engine_id`` (etcd engines/<id>)."""
+    return f"{node_id(config)}-e{engine_id}"
+
+
 class Launcher:
     """Builds ChildSpecs; ``python`` and ``environ`` are injectable for tests."""
+
+    etcd_endpoints = ""  # EP: set by `serve` once the (embedded) etcd is up
 
     def __init__(self, config: ServeConfig, python: str = sys.executable,
                  environ: Mapping[str, str] | None = None) -> None:
@@ -96,6 +109,10 @@ class Launcher:
                 "--input-addr", frontend_addresses(cfg)[0],
                 "--config-json", _json(self.engine_config(extra_config)),
                 "--settings-json", _json(settings)]
+        if cfg.parallel == "ep":  # an expert-parallel rank: joins epochs from etcd
+            argv[2] = "elastic.ep_proc"
+            argv += ["--engine-id", ep_engine_id(cfg, engine_id), "--node-id", node_id(cfg),
+                     "--etcd-endpoints", self.etcd_endpoints or cfg.etcd_endpoints, "--cluster", cfg.cluster]
         key = engine_key(engine_id)
         return ChildSpec(key=key, argv=argv, env=self._env(PLANARIA_ENGINE_ID=str(engine_id)),
                          log_path=str(log_path(cfg, key)), cwd=cfg.state_dir)

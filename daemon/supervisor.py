@@ -138,6 +138,7 @@ class Supervisor:
         self._ready_sent = False
         self._last_status = ""
         self.log = get_logger("planaria.supervisor")
+        self.ep = None  # elastic.cluster.EPNode when config.parallel == "ep" (set by serve)
 
     # -- views --------------------------------------------------------------------------
     def slots(self) -> list[Slot]:
@@ -205,6 +206,8 @@ class Supervisor:
                 self.report_dead(slot.engine_id, child.pid, reason)
                 self.num_deaths_reported += 1
             self.hang.forget(slot.engine_id)
+            if self.ep is not None:
+                self._forget_ep_engine(slot.engine_id)
         after, slot.after_exit, slot.kill_reason = slot.after_exit, "", ""
         slot.child, slot.heartbeat, slot.kill_at, slot.started_at = None, None, None, None
         slot.reason = reason
@@ -230,6 +233,23 @@ class Supervisor:
             self._decide(slot)
         self._update_scale_op()
         self._notify_status()
+
+    def _forget_ep_engine(self, engine_id: int) -> None:
+        """Delete a dead engine's etcd record now (its lease would expire anyway), so the
+        leader re-forms the group without waiting a TTL. Off the loop thread: etcd may be down."""
+        import threading
+
+        from daemon.launch import ep_engine_id
+
+        key = self.ep.membership.layout.engine(ep_engine_id(self.config, engine_id))
+
+        def delete() -> None:
+            try:
+                self.ep.membership.client.delete(key)
+            except Exception as exc:  # etcd down: the lease expiry removes it later
+                self.log.warning("engine record not deleted", key=key, error=str(exc))
+
+        threading.Thread(target=delete, name="ep-forget", daemon=True).start()
 
     def _frontend_died(self) -> None:
         """The engines' handshake was with the dead frontend: restart them with the next."""
@@ -439,6 +459,8 @@ class Supervisor:
         current = len(self.engines)
         if target == current:
             return {"engines": current, "target": target, "changed": False, "op_id": None}
+        if self.ep is not None:
+            self._request_ep_scale(target)
         op = ScaleOp(next(self._op_ids), target, adding=[], removing=[])
         if target > current:
             kv = self.reused_kv_cache_bytes()
@@ -452,7 +474,11 @@ class Supervisor:
             for engine_id in sorted(self.engines)[target:]:
                 slot = self.engines[engine_id]
                 op.removing.append(engine_id)
-                if slot.child is not None:
+                if slot.child is not None and self.ep is not None:
+                    # EP: the rank leaves on its own at the scale-down epoch, after its
+                    # requests moved to survivors; then it exits 0 and is removed.
+                    slot.after_exit = "remove"
+                elif slot.child is not None:
                     if slot.state is SlotState.STOPPING:
                         slot.after_exit = "remove"  # already on its way out
                     else:
@@ -467,6 +493,35 @@ class Supervisor:
         self._notify_status()
         return {"engines": current, "target": target, "changed": True, "op_id": op.op_id,
                 "adding": op.adding, "removing": op.removing}
+
+    def _request_ep_scale(self, target: int) -> None:
+        from elastic.errors import EtcdError, ScaleConflictError
+
+        try:
+            self.ep.request_scale(target)
+        except ScaleConflictError as exc:
+            raise ConflictError(f"an expert-parallel scale operation is in progress: {exc}") from exc
+        except EtcdError as exc:
+            raise UnavailableError(f"etcd is unreachable, membership changes are frozen "
+                                   f"(serving goes on): {exc}") from exc
+
+    def ep_status(self) -> dict[str, Any] | None:
+        """Epoch, ranks and the active operation from etcd (None when not EP / unreachable)."""
+        if self.ep is None:
+            return None
+        try:
+            epoch = self.ep.controller.epochs.read_epoch()[0]
+            records = {r.engine_id: r for r in self.ep.membership.list_engines()}
+            op = self.ep.controller.desired.active_op()
+        except Exception as exc:  # etcd down: status still answers
+            return {"error": f"etcd unreachable: {exc}"}
+        return {"epoch": epoch.number if epoch else None, "world_size": epoch.world_size if epoch else 0,
+                "ranks": epoch.ranks if epoch else [], "leader": self.ep.election.is_leader,
+                "op": None if op is None else {"op_id": op.op_id, "phase": op.phase.value,
+                                               "progress": op.progress, "target": op.target},
+                "engines": {e: {"state": r.state.value, "epoch": r.epoch, "rank": r.rank,
+                                "kv_source": r.kv_source, "kv_cache_bytes": r.kv_cache_bytes}
+                            for e, r in records.items()}}
 
     def _update_scale_op(self) -> None:
         op = self.scale_op
@@ -501,6 +556,14 @@ class Supervisor:
                 "num_kv_blocks": hb.num_kv_blocks if hb else None,
                 "kv_source": hb.kv_source if hb else None,
                 "step_counter": hb.step_counter if hb else None})
+        ep = self.ep_status()
+        if ep and ep.get("engines"):
+            from daemon.launch import ep_engine_id
+
+            for e in engines:
+                rec = ep["engines"].get(ep_engine_id(self.config, e["engine_id"]))
+                e["rank"] = rec["rank"] if rec else None
+                e["epoch"] = rec["epoch"] if rec else None
         op = self.scale_op
         return {"status": self.status_line(), "http": self.config.http, "model": self.config.model,
                 "uptime_s": round(now - self.started_at, 3), "shutting_down": self.shutting_down,
@@ -510,4 +573,4 @@ class Supervisor:
                 "scale": None if op is None else {"op_id": op.op_id, "target": op.target,
                                                   "adding": op.adding, "removing": op.removing},
                 "frontend": child(self.frontend), "engines": engines,
-                "state_dir": self.config.state_dir}
+                "state_dir": self.config.state_dir, "parallel": self.config.parallel, "ep": ep}

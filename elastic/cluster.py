@@ -87,7 +87,7 @@ class ProcessLauncher:
 
 class EPNode:
     def __init__(self, node_id: str, cluster: str, etcd_endpoints: list[str], *, model_dir: str,
-                 launcher: Callable[[str, int | None], None], initial_engines: int, rendezvous: str,
+                 launcher: Callable[[str, int | None], None] | None, initial_engines: int, rendezvous: str,
                  block_size: int = 16, lease_ttl_s: int = 3, tick_s: float = 0.2, device_kind: str = "cpu") -> None:
         from engine.models.loader import load_hf_config, model_fingerprint, spec_from_config
 

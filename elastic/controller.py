@@ -36,7 +36,7 @@ LIVE_STATES = {EngineState.READY, EngineState.SERVING, EngineState.PAUSED}
 
 class EPController:
     def __init__(self, membership, election, cluster: str, *, num_experts: int, rendezvous: str,
-                 launch: Callable[[str, int | None], None], model_fingerprint: str, device_kind: str,
+                 launch: Callable[[str, int | None], None] | None, model_fingerprint: str, device_kind: str,
                  block_size: int, initial_engines: int, engine_prefix: str = "",
                  launch_timeout_s: float = 300.0, first_epoch_grace_s: float = 120.0,
                  clock: Callable[[], float] = time.time) -> None:
@@ -82,6 +82,8 @@ class EPController:
         existing = [e for e, r in records.items() if r.state not in (EngineState.STOPPED, EngineState.FAILED)
                     or e in ranks]
         missing = target - len(set(existing) | set(self._launched))
+        if self.launch is None:
+            missing = 0  # engines are started by their supervisors (planaria serve --parallel ep)
         if missing > 0 and not any(e not in live for e in ranks):
             budget = self.kv.smallest_for_group(self.fp, self.device_kind, ranks) if ranks and self.reuse_kv else None
             for _ in range(missing):

@@ -57,6 +57,7 @@ class EPEngineCoreProc(EngineCoreProc):
         self._membership = None
         self._watch = None
         self._reforming = False
+        self._forming = False
         self.timings: dict[str, float] = {}
         self._started_at = time.time()
 
@@ -210,11 +211,14 @@ class EPEngineCoreProc(EngineCoreProc):
             self._send_dead(f"scaled down: left at epoch {spec.epoch}")
             self._req_slot.clear()
             raise _Exit(EXIT_OK)
+        self._forming = True
         try:
             self.ep.switch(spec)
         except CollectiveError as exc:
             self._lost_peer(exc)
             return
+        finally:
+            self._forming = False
         self.timings["switch_s"] = time.monotonic() - t0
         self.timings["serving_at"] = time.time()
         self.timings.update(self.ep.switch_times_s)
@@ -238,6 +242,14 @@ class EPEngineCoreProc(EngineCoreProc):
         self._deadline = time.monotonic() + timeout
         self._set_state(EngineState.UNHEALTHY, f"lost a peer rank; waiting for a new epoch: {exc}")
         self._record(ClusterState.PAUSED)  # alive, waiting for a re-formed group
+
+    def _heartbeat(self):
+        """Waiting for (or forming) a group is not a hang: report no work meanwhile, so
+        the supervisor's hang detector only judges ranks that could step."""
+        beat = super()._heartbeat()
+        if self.ep is None or self.ep.group is None or self._reforming or self._forming:
+            beat = msgspec.structs.replace(beat, has_work=False)
+        return beat
 
     # -- utilities -----------------------------------------------------------------------------
     def _u_get_info(self) -> dict:

@@ -70,6 +70,15 @@ def main(args: argparse.Namespace) -> int:
     reporter = DeathReporter(ctx, frontend_addresses(config)[1])
     supervisor = Supervisor(config, PopenSpawner(), time.monotonic, notifier=notifier,
                             report_dead=reporter)
+    ep_parts = None
+    if config.parallel == "ep":
+        try:
+            ep_parts = _start_ep(config, supervisor, log)
+        except Exception as exc:  # etcd would not start, or the model is not MoE
+            print(f"planaria serve: cannot start expert parallelism: {exc}", file=sys.stderr)
+            reporter.close()
+            ctx.term()
+            return EXIT_FAILURE
     try:
         control = ControlServer(config.runtime_dir, command_handler(supervisor, admin_modules()))
     except DaemonAlreadyRunningError as exc:
@@ -98,8 +107,53 @@ def main(args: argparse.Namespace) -> int:
     finally:
         loop.close()
         control.close()
+        if ep_parts is not None:
+            _stop_ep(ep_parts)
         reporter.close()
         ctx.term()
         notifier.close()
     log.info("stopped", exit_code=code)
     return code
+
+
+def _start_ep(config, supervisor, log):
+    """Embedded etcd (unless --etcd-endpoints), this node's lease, election and leader
+    controller; engines are this supervisor's children, started as EP ranks."""
+    import socket
+
+    from daemon.launch import node_id
+    from elastic.cluster import EPNode
+    from elastic.etcd_server import EmbeddedEtcd
+    from engine.models.loader import load_hf_config, spec_from_config
+
+    if not spec_from_config(load_hf_config(config.model)).is_moe:
+        raise ValueError(f"--parallel ep needs a mixture-of-experts model; {config.model} is dense")
+    etcd = None
+    endpoints = config.etcd_endpoints
+    if not endpoints:
+        etcd = EmbeddedEtcd(Path(config.state_dir) / "etcd")
+        etcd.start()
+        endpoints = etcd.endpoint
+        log.info("embedded etcd started", endpoint=endpoints, pid=etcd.pid)
+    supervisor.launcher.etcd_endpoints = endpoints
+    rendezvous = config.rendezvous
+    if not rendezvous:
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        rendezvous = f"127.0.0.1:{s.getsockname()[1]}"
+        s.close()
+    node = EPNode(node_id(config), config.cluster, endpoints.split(","), model_dir=config.model,
+                  launcher=None, initial_engines=config.num_engines, rendezvous=rendezvous)
+    node.start()
+    supervisor.ep = node
+    log.info("expert parallelism on", cluster=config.cluster, node=node.node_id, rendezvous=rendezvous)
+    return node, etcd
+
+
+def _stop_ep(parts) -> None:
+    node, etcd = parts
+    try:
+        node.stop()
+    finally:
+        if etcd is not None:
+            etcd.stop()
