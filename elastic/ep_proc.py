@@ -58,6 +58,7 @@ class EPEngineCoreProc(EngineCoreProc):
         self._watch = None
         self._reforming = False
         self._forming = False
+        self._seen_epoch = -1  # epochs up to this one are not (re)adopted
         self.timings: dict[str, float] = {}
         self._started_at = time.time()
 
@@ -112,9 +113,14 @@ class EPEngineCoreProc(EngineCoreProc):
             return None
         current = self.ep.spec.epoch if self.ep is not None and self.ep.group is not None else -1
         pending = self.ep.pending.epoch if self.ep is not None and self.ep.pending is not None else -1
-        if epoch.number <= max(current, pending):
+        if epoch.number <= max(current, pending, self._seen_epoch):
             return None
-        return self._spec_for(epoch)
+        spec = self._spec_for(epoch)
+        if spec.rank < 0 and (self.ep is None or self.ep.group is None):
+            # Not in a group and not named: nothing to leave; wait for an epoch that names us.
+            self._seen_epoch = epoch.number
+            return None
+        return spec
 
     # -- load ---------------------------------------------------------------------------------
     def _load(self) -> None:
@@ -215,6 +221,7 @@ class EPEngineCoreProc(EngineCoreProc):
         try:
             self.ep.switch(spec)
         except CollectiveError as exc:
+            self._seen_epoch = max(self._seen_epoch, spec.epoch)
             self._lost_peer(exc)
             return
         finally:
@@ -233,6 +240,8 @@ class EPEngineCoreProc(EngineCoreProc):
     def _lost_peer(self, exc: BaseException) -> None:
         log.error("engine %s: collective failed: %s", self.engine_id, exc)
         self.core.recover_after_fault()
+        # The failed epoch is never formed again: wait for the leader's next one.
+        self._seen_epoch = max(self._seen_epoch, self.ep.spec.epoch)
         if self.ep.group is not None:
             self.ep.group.destroy()
             self.ep.group = None

@@ -41,7 +41,7 @@ def _free_port() -> int:
 
 
 class Daemon:
-    def __init__(self, model: str, root: Path) -> None:
+    def __init__(self, model: str, root: Path, extra_args: tuple[str, ...] = ()) -> None:
         self.root = root
         self.state = root / "state"
         # ipc paths must stay short (sun_path): a fresh short runtime dir
@@ -56,7 +56,7 @@ class Daemon:
                "--runtime-dir", str(self.runtime),
                "--engine-config-json", json.dumps(ENGINE_CONFIG),
                "--hang-timeout-s", str(HANG_TIMEOUT_S), "--heartbeat-interval-s", "0.25",
-               "--restart-backoff-s", "0.2", "--stop-timeout-s", "10", "--stable-s", "1"]
+               "--restart-backoff-s", "0.2", "--stop-timeout-s", "10", "--stable-s", "1", *extra_args]
         self.proc = subprocess.Popen(cmd, cwd=REPO, env=self.env,
                                      stdout=open(self.log_path, "wb"), stderr=subprocess.STDOUT)
 

@@ -1,0 +1,86 @@
+"""`planaria serve --parallel ep` for real: an embedded etcd, two EP ranks of tiny-moe
+under the supervisor, scaled with the admin CLI; a SIGKILLed rank is re-formed around
+and rejoins after its restart. Greedy outputs stay those of the single-engine run."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+
+import pytest
+
+from tests.integration.test_supervisor import Daemon, _stop_tree
+
+pytestmark = pytest.mark.timeout(400)
+PROMPT = {"model": "tiny-moe", "prompt": "def main(argv):", "max_tokens": 12, "temperature": 0.0,
+          "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def daemon(tiny_moe, tmp_path_factory):
+    d = Daemon(tiny_moe, tmp_path_factory.mktemp("serve-ep"), extra_args=("--parallel", "ep"))
+    try:
+        d.wait(lambda s: s["num_up"] == 2 and (s.get("ep") or {}).get("world_size") == 2
+               and all(e["state"] == "serving" for e in s["ep"]["engines"].values()), 180, "EP group of 2")
+        yield d
+    finally:
+        _stop_tree(d.proc)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_moe):
+    from engine import LLM, SamplingParams
+
+    llm = LLM(tiny_moe, kv_cache_bytes=16 * 2**20, max_model_len=256)
+    return llm.generate([PROMPT["prompt"]], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))[0].text
+
+
+def _text(d: Daemon) -> str:
+    status, body = d.http("/v1/completions", PROMPT)
+    assert status == 200, body
+    return json.loads(body)["choices"][0]["text"]
+
+
+def _group(s: dict, n: int) -> bool:
+    ep = s.get("ep") or {}
+    return (ep.get("world_size") == n and ep.get("op") is None and s["num_up"] == n
+            and all(ep["engines"].get(r, {}).get("state") == "serving" for r in ep["ranks"]))
+
+
+def test_ep_group_serves_single_engine_output(daemon, reference):
+    assert _text(daemon) == reference
+    s = daemon.status()
+    assert s["parallel"] == "ep" and [e["rank"] for e in s["engines"]] == [0, 1]
+    # The shared daemon config passes kv_cache_bytes explicitly ("given"); the profiled
+    # path is covered by tests/integration/test_ep_scaling.py.
+    assert {e["kv_source"] for e in s["engines"]} == {"given"}
+
+
+def test_scale_up_reuses_kv_then_scale_down(daemon, reference):
+    r = daemon.cli("scale", "to", "3", "--wait")
+    assert r.returncode == 0, r.stdout + r.stderr
+    s = daemon.wait(lambda s: _group(s, 3), 180, "EP group of 3")
+    assert [e["kv_source"] for e in s["engines"]] == ["given", "given", "reused"]
+    assert _text(daemon) == reference
+    r = daemon.cli("scale", "down", "--wait")
+    assert r.returncode == 0, r.stdout + r.stderr
+    daemon.wait(lambda s: _group(s, 2), 120, "EP group of 2 again")
+    assert _text(daemon) == reference
+
+
+def test_bad_scale_changes_nothing(daemon):
+    r = daemon.cli("scale", "to", "0")
+    assert r.returncode != 0 and "between 1" in (r.stdout + r.stderr)
+    assert _group(daemon.status(), 2)
+
+
+def test_sigkilled_rank_is_reformed_around_and_rejoins(daemon, reference):
+    s = daemon.status()
+    epoch0 = s["ep"]["epoch"]
+    os.kill(s["engines"][1]["pid"], signal.SIGKILL)
+    s = daemon.wait(lambda s: (s.get("ep") or {}).get("epoch", 0) > epoch0
+                    and s["ep"]["world_size"] == 1, 60, "a re-formed group of 1")
+    s = daemon.wait(lambda s: _group(s, 2) and s["ep"]["epoch"] > epoch0 + 1, 180, "rejoined group of 2")
+    assert s["engines"][1]["restarts"] == 1
+    assert _text(daemon) == reference
