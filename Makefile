@@ -5,7 +5,8 @@ BIN := $(VENV)/bin
 STATE_DIR ?= $(CURDIR)/.state
 MODEL ?=
 HTTP ?= 127.0.0.1:8000
-ENGINES ?= 1
+ENGINES ?= 2
+PARALLEL ?= ep
 STAMP := $(VENV)/.installed
 
 .PHONY: venv serve test test-all bench clean
@@ -24,7 +25,8 @@ serve: $(STAMP)
 	@if [ -z "$(MODEL)" ] && [ ! -f $(STATE_DIR)/models/tiny-moe/config.json ]; then \
 		$(BIN)/planaria demo-model $(STATE_DIR)/models/tiny-moe --preset tiny-moe; fi
 	$(BIN)/planaria serve --model $(if $(MODEL),$(MODEL),$(STATE_DIR)/models/tiny-moe) \
-		--engines $(ENGINES) --http $(HTTP) --state-dir $(STATE_DIR)
+		--engines $(ENGINES) --http $(HTTP) --state-dir $(STATE_DIR) --parallel $(PARALLEL) \
+		--engine-config-json '{"max_model_len": 2048, "max_num_seqs": 32}'
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)

@@ -444,6 +444,15 @@ class Supervisor:
         figures = [s.heartbeat.kv_cache_bytes for s in self.engines.values()
                    if s.state is SlotState.RUNNING and s.heartbeat is not None
                    and s.heartbeat.kv_cache_bytes > 0]
+        if self.ep is not None:  # EP: the kv_budget registry's figure for the current group
+            try:
+                c = self.ep.controller
+                epoch = c.epochs.read_epoch()[0]
+                budget = c.kv.smallest_for_group(c.fp, c.device_kind, epoch.ranks if epoch else [])
+                if budget is not None:
+                    figures.append(budget.kv_cache_bytes)
+            except Exception as exc:  # etcd down: the engines' own figures still hold
+                self.log.warning("kv_budget not read", error=str(exc))
         return min(figures) if figures else None
 
     def scale_to(self, target: Any) -> dict[str, Any]:
