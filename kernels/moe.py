@@ -48,8 +48,12 @@ def grouped_expert_mlp(
     if num_pairs:
         token_of = (order // K)[:num_pairs]
         weight_of = topk_weights.reshape(-1)[order][:num_pairs]
-        n_max = int(counts[:num_local].max())
-        if n_max * num_local <= _MAX_PAD_FACTOR * num_pairs + 64:
+        local_counts = counts[:num_local].tolist()
+        n_max = max(local_counts)
+        num_active = sum(1 for c in local_counts if c)
+        # The batched matmul reads every local expert's weights, used or not: worth it
+        # only when most experts have tokens (decode at batch 1 touches top_k of them).
+        if num_active >= _MIN_ACTIVE_FRACTION * num_local and n_max * num_local <= _MAX_PAD_FACTOR * num_pairs + 64:
             starts = torch.cumsum(counts, 0) - counts  # [E + 1]
             e_of = sorted_ids[:num_pairs]
             slot = e_of * n_max + (torch.arange(num_pairs, device=x.device) - starts[e_of])  # [n]
@@ -61,7 +65,7 @@ def grouped_expert_mlp(
             pair_out[:num_pairs] = y.index_select(0, slot) * weight_of[:, None]
         else:
             start = 0
-            for e, n in enumerate(counts[:num_local].tolist()):
+            for e, n in enumerate(local_counts):
                 if n:
                     xe = x.index_select(0, token_of[start:start + n])  # [n, H]
                     gate_up = F.linear(xe, w13[e])  # [n, 2I]
@@ -74,3 +78,4 @@ def grouped_expert_mlp(
 
 
 _MAX_PAD_FACTOR = 4
+_MIN_ACTIVE_FRACTION = 0.6  # bmm streams weights ~1.7x faster than the per-expert loop
