@@ -64,6 +64,13 @@ class ServeConfig(msgspec.Struct, kw_only=True, frozen=True):
     cluster: str = "default"
     node_id: str = ""  # default: the host name
     rendezvous: str = ""  # host:port of this node's TCPStore for EP groups; empty: a free loopback port
+    # Further ZMQ clients every engine handshakes with besides the frontend (comma-separated
+    # ROUTER addresses): a second frontend, or a tool making utility calls (a chaos test's
+    # fault injection). An engine waits for each of them at start.
+    extra_client_addresses: str = ""
+    # Remote admin: a TCP control socket with CurveZMQ (daemon/admin_keys.py).
+    admin_tcp: str = ""  # HOST:PORT; empty: only the ipc control socket
+    admin_keys_dir: str = ""  # default STATE_DIR/admin-keys
 
     def validate(self) -> None:
         if self.parallel not in ("replica", "ep"):
@@ -80,11 +87,22 @@ class ServeConfig(msgspec.Struct, kw_only=True, frozen=True):
                      "handshake_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
+        for address in self.extra_client_list():
+            if not address.startswith(("ipc://", "tcp://")):
+                raise ConfigError(f"--extra-client-addresses: {address!r} is not an "
+                                  "ipc:// or tcp:// address")
+        if self.admin_tcp:
+            host, sep, port = self.admin_tcp.rpartition(":")
+            if not sep or not host or not port.isdigit():
+                raise ConfigError(f"--admin-tcp wants HOST:PORT, got {self.admin_tcp!r}")
         if self.heartbeat_interval_s * 2 > self.hang_timeout_s:
             raise ConfigError("--hang-timeout-s must be at least twice the heartbeat interval")
         if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
             raise ConfigError(f"unknown log level {self.log_level!r}")
         self.restart_policy()  # RestartPolicy validates its own numbers
+
+    def extra_client_list(self) -> list[str]:
+        return [a.strip() for a in self.extra_client_addresses.split(",") if a.strip()]
 
     def restart_policy(self):
         from daemon.restart_policy import RestartPolicy
@@ -139,6 +157,14 @@ _FLAGS: list[tuple[str, str, Any, str]] = [
     ("--cluster", "cluster", str, "ep: cluster name, the etcd key prefix /planaria/NAME/ (default: default)"),
     ("--node-id", "node_id", str, "ep: this node's id in the cluster (default: the host name)"),
     ("--rendezvous", "rendezvous", str, "ep: HOST:PORT of this node's process-group store (default: free port)"),
+    ("--extra-client-addresses", "extra_client_addresses", str,
+     "ADDR[,ADDR]: ZMQ clients (ROUTER addresses) every engine also handshakes with, e.g. "
+     "a second frontend or a tool making utility calls; an engine waits for each at start"),
+    ("--admin-tcp", "admin_tcp", str,
+     "HOST:PORT: also serve the admin socket on TCP with CurveZMQ (keys: --admin-keys-dir)"),
+    ("--admin-keys-dir", "admin_keys_dir", str,
+     "server key pair (made on first start) and authorized/ client public keys for "
+     "--admin-tcp (default STATE_DIR/admin-keys)"),
 ]
 
 

@@ -1,14 +1,21 @@
-"""Hung-engine detection from heartbeats: no step progress while work is queued.
+"""Hung-engine detection from heartbeats: no step progress while work is queued, or no
+heartbeat at all.
 
 Each engine's heartbeat carries its step counter (bumped on every busy-loop step that
 did work), whether it has work queued, and a timestamp on the supervisor's monotonic
 clock (the time the heartbeat was received is the safest choice). An engine is hung
 when its latest heartbeat says it has work and its step counter has not moved for
 ``hang_timeout_s`` — measured from the later of the last step change and the moment
-work arrived after an idle spell. Idle engines are never hung, however old their last
-heartbeat: a dead process is the process sentinel's business, not this detector's.
-An engine that stops sending heartbeats while it had work (frozen, SIGSTOPped, stuck
-in a collective) is caught, because the last known state is "has work, no progress".
+work arrived after an idle spell. An engine that stops sending heartbeats while it had
+work (frozen, SIGSTOPped, stuck in a collective) is caught the same way, because the
+last known state is "has work, no progress".
+
+Heartbeats come from a thread of their own, independent of the busy loop, so an engine
+that sends none for ``silence_timeout_s`` (default twice ``hang_timeout_s``) is frozen
+as a whole (SIGSTOPped, or wedged holding the GIL) even if its last heartbeat said it
+was idle: work routed to it later would never be stepped nor reported. A process that
+exited is the process sentinel's business, not this detector's (the supervisor forgets
+an engine when it exits).
 
 Pure logic, clock injected: the supervisor calls ``observe`` per heartbeat and
 ``check(now)`` on its loop, then decides what to do with the engines it gets back.
@@ -36,11 +43,20 @@ class _EngineProgress:
 class HangDetector:
     """Tracks step progress per engine id and reports the ones that are hung."""
 
-    def __init__(self, hang_timeout_s: float) -> None:
+    def __init__(self, hang_timeout_s: float, silence_timeout_s: float | None = None) -> None:
         if hang_timeout_s <= 0:
             raise ValueError(f"hang_timeout_s must be > 0, got {hang_timeout_s}")
+        if silence_timeout_s is not None and silence_timeout_s < hang_timeout_s:
+            raise ValueError(f"silence_timeout_s ({silence_timeout_s}) must be >= "
+                             f"hang_timeout_s ({hang_timeout_s})")
         self.hang_timeout_s = float(hang_timeout_s)
+        self._silence_timeout_s = None if silence_timeout_s is None else float(silence_timeout_s)
         self._engines: dict[Hashable, _EngineProgress] = {}
+
+    @property
+    def silence_timeout_s(self) -> float:
+        """No heartbeat at all for this long: frozen (follows ``hang_timeout_s`` unless set)."""
+        return self._silence_timeout_s or 2 * self.hang_timeout_s
 
     def observe(self, engine_id: Hashable, step_counter: int, has_work: bool,
                 timestamp: float) -> None:
@@ -60,9 +76,22 @@ class HangDetector:
         known.last = beat
 
     def check(self, now: float) -> list[Hashable]:
-        """Engines with work queued and no step progress for ``hang_timeout_s``."""
-        return [engine_id for engine_id, p in self._engines.items()
-                if p.last.has_work and now - p.progress_at >= self.hang_timeout_s]
+        """Engines with work queued and no step progress for ``hang_timeout_s``, or with
+        no heartbeat for ``silence_timeout_s``."""
+        return [engine_id for engine_id in self._engines if self.why_hung(engine_id, now)]
+
+    def why_hung(self, engine_id: Hashable, now: float) -> str | None:
+        """Why ``engine_id`` counts as hung at ``now`` (None: it does not)."""
+        p = self._engines.get(engine_id)
+        if p is None:
+            return None
+        if p.last.has_work and now - p.progress_at >= self.hang_timeout_s:
+            return (f"hung: work queued and no step progress for "
+                    f"{now - p.progress_at:.1f}s (limit {self.hang_timeout_s:g}s)")
+        if now - p.last.timestamp >= self.silence_timeout_s:
+            return (f"frozen: no heartbeat for {now - p.last.timestamp:.1f}s "
+                    f"(limit {self.silence_timeout_s:g}s)")
+        return None
 
     def stalled_s(self, engine_id: Hashable, now: float) -> float:
         """Seconds without progress while busy (0.0 for idle or unknown engines)."""

@@ -5,7 +5,8 @@
                    --config-json '{"model": M, ...}' --settings-json '{"heartbeat_address": ...}'
 
 Sockets in the runtime dir: ``fe0-in`` / ``fe0-out`` are the frontend's ROUTER / PULL
-(engine.client.ipc_addresses); ``sv-hb`` is the supervisor's heartbeat PULL. Children do
+(engine.client.ipc_addresses); ``sv-hb`` is the supervisor's heartbeat PULL. Engines
+also connect to each ``--extra-client-addresses`` ROUTER (one more ``--input-addr``). Children do
 not inherit ``NOTIFY_SOCKET`` (the supervisor builds its Notifier with
 ``unset_environment=True`` before any spawn), and each child's output is appended to
 ``<state dir>/logs/<name>.log``.
@@ -107,6 +108,7 @@ class Launcher:
                     "log_level": cfg.log_level}
         argv = [self.python, "-m", "engine.proc", "--engine-index", str(engine_id),
                 "--input-addr", frontend_addresses(cfg)[0],
+                *(arg for addr in cfg.extra_client_list() for arg in ("--input-addr", addr)),
                 "--config-json", _json(self.engine_config(extra_config)),
                 "--settings-json", _json(settings)]
         if cfg.parallel == "ep":  # an expert-parallel rank: joins epochs from etcd

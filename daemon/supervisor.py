@@ -12,8 +12,9 @@ What it does:
   (``report_dead(engine_id, pid, reason)``: ENGINE_CORE_DEAD on the frontend's PULL
   socket), then restarted as ``RestartPolicy`` decides (backoff, flap hold-off, retry
   limit); planned stops (restart, drain, scale-down, shutdown) are not failures;
-- an engine with work and no step progress for ``hang_timeout_s`` (``HangDetector`` on
-  its heartbeats) is SIGKILLed, reported and restarted like any dead engine;
+- an engine with work and no step progress for ``hang_timeout_s``, or no heartbeat at
+  all for twice that (``HangDetector`` on its heartbeats), is SIGKILLed, reported and
+  restarted like any dead engine;
 - when the frontend dies, the engines go with it (their handshake was with the dead
   process; a new frontend would not know them) and start again with the new frontend;
 - systemd hears READY=1 when the first engine serves, a STATUS= line on every change,
@@ -314,11 +315,11 @@ class Supervisor:
         if not self.shutting_down:
             for engine_id in self.hang.check(now):
                 slot = self.engines.get(engine_id)
+                why = self.hang.why_hung(engine_id, now)
                 self.hang.forget(engine_id)
                 if slot is None or slot.state not in (SlotState.STARTING, SlotState.RUNNING):
                     continue
-                stalled = self.config.hang_timeout_s
-                slot.kill_reason = f"hung: work queued and no step progress for {stalled:g}s"
+                slot.kill_reason = why
                 self._slot_log(slot).error("hung; SIGKILL", reason=slot.kill_reason)
                 slot.child.send_signal(signal.SIGKILL)
         if self.frontend.state is SlotState.RUNNING:

@@ -11,7 +11,11 @@ TIMEOUT_S = 10.0
 CASES = [
     # (id, heartbeats as (step_counter, has_work, timestamp), check at, hung?)
     ("no heartbeats", [], 100.0, False),
-    ("idle forever is not hung", [(0, False, 0.0)], 1000.0, False),
+    ("idle forever is not hung", [(0, False, float(t)) for t in range(0, 1000, 5)], 1000.0, False),
+    ("idle, then silent under the silence timeout", [(0, False, 0.0)], 19.9, False),
+    ("idle, then silent: frozen", [(0, False, 0.0)], 20.0, True),
+    ("silence counts from the last heartbeat, not the last step",
+     [(4, False, 0.0), (4, False, 15.0)], 30.0, False),
     ("idle with a frozen counter is not hung", [(5, False, t) for t in range(0, 60, 5)],
      60.0, False),
     ("busy and stepping", [(i, True, float(i)) for i in range(30)], 35.0, False),
@@ -57,3 +61,19 @@ def test_several_engines_only_the_hung_one_is_reported():
 def test_invalid_timeout(timeout_s):
     with pytest.raises(ValueError):
         HangDetector(timeout_s)
+    with pytest.raises(ValueError, match="silence_timeout_s"):
+        HangDetector(10.0, silence_timeout_s=5.0)
+
+
+def test_why_hung_names_the_rule():
+    detector = HangDetector(TIMEOUT_S, silence_timeout_s=30.0)
+    detector.observe("busy", 3, True, 0.0)
+    detector.observe("idle", 3, False, 0.0)
+    assert detector.why_hung("busy", 9.0) is None
+    assert detector.why_hung("busy", 10.0).startswith("hung: work queued and no step progress")
+    assert detector.why_hung("idle", 29.0) is None
+    assert detector.why_hung("idle", 30.0).startswith("frozen: no heartbeat for 30.0s")
+    assert detector.why_hung("unknown", 99.0) is None
+    detector.hang_timeout_s = 20.0  # a reload: the explicit silence limit stays
+    assert detector.silence_timeout_s == 30.0
+    assert HangDetector(4.0).silence_timeout_s == 8.0

@@ -172,6 +172,25 @@ def test_hung_engine_is_killed_reported_and_restarted():
     assert sup.engines[0].state is SlotState.STARTING
 
 
+def test_silent_engine_is_killed_as_frozen_even_if_it_was_idle():
+    sup, spawner, clock, _, deaths = make()  # hang 5 s, silence 10 s
+    beat(sup, 0, step=1, has_work=False)
+    beat(sup, 1, step=1, has_work=False)
+    for _ in range(4):  # engine 1 keeps beating, idle; engine 0 went silent (SIGSTOP)
+        clock.t += 2.4
+        beat(sup, 1, step=1, has_work=False)
+        sup.tick()
+    frozen = engine_child(spawner, 0)
+    assert frozen.signals == []
+    clock.t += 0.5
+    beat(sup, 1, step=1, has_work=False)
+    sup.tick()
+    assert frozen.signals == [signal.SIGKILL]
+    assert engine_child(spawner, 1).signals == []
+    die(sup, frozen)
+    assert deaths[-1][0] == 0 and deaths[-1][2].startswith("frozen: no heartbeat for 10.")
+
+
 def test_frontend_death_restarts_it_and_recycles_the_engines():
     sup, spawner, clock, _, deaths = make()
     beat(sup, 0)
