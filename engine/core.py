@@ -11,7 +11,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import structlog
 
 from engine.config import EngineConfig
-from engine.errors import EngineError, InvalidRequestError, KVCacheTooSmallError
+from engine.errors import EngineError, InvalidRequestError, KVCacheTooSmallError, WeightLoadError
 from engine.iteration_details import IterationRecorder, scheduler_dump
 from engine.kv_cache_manager import KVCacheManager
 from engine.messages import EngineCoreOutput, EngineCoreRequest, SchedulerStats
@@ -41,7 +41,8 @@ class EngineCore:
         self.vocab_size = self.runner.spec.vocab_size
         self.model_fingerprint = model_fingerprint(config.model)
         self.weight_version = self.model_fingerprint
-        self._weight_update = None  # engine.weight_update.WeightUpdate waiting for its step boundary
+        self._weight_update = None  # engine.weight_update.WeightLoad: reading, or waiting for its step boundary
+        self.last_weight_load = None  # the last one applied or failed (weight_status)
         self.iterations = IterationRecorder() if config.iteration_details else None
 
         # KV sizing: an explicit figure skips profiling (a scale-up launch reuses one).
@@ -153,7 +154,8 @@ class EngineCore:
             self._pending_outputs.append(self._output(req, []))
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or bool(self._pending_outputs)
+        return self.scheduler.has_unfinished_requests() or bool(self._pending_outputs) or (
+            self._weight_update is not None and self._weight_update.read_done)  # a swap (or its failure) is due
 
     # -- stepping ---------------------------------------------------------------------------
     def step(self, force_forward: bool = False) -> tuple[list[EngineCoreOutput], bool]:
@@ -338,33 +340,49 @@ class EngineCore:
         return d
 
     # -- weights --------------------------------------------------------------------------
-    def load_weights(self, model_dir: str, version: str | None = None, mode: str = "finish_old") -> dict:
-        """Read new weights (same architecture) now; swap them in at a step boundary.
-        "finish_old": admit no new request until the running ones finish, then swap;
-        "continue_new": swap at once, running requests recompute on the new weights.
-        WeightLoadError (old weights kept) if the checkpoint does not fit."""
-        from engine.weight_update import read_weights
+    def load_weights(self, model_dir: str, version: str | None = None, mode: str = "finish_old",
+                     on_read=None) -> dict:
+        """Start reading new weights (same architecture) on a thread; they are swapped in at
+        a step boundary once read (engine/weight_update.py: modes, states). Returns the
+        load's description at once; ``on_read()`` runs on the reading thread when it is done
+        (the engine process wakes its loop). WeightLoadError at once, nothing started, for a
+        bad mode or directory, another architecture, or a load already in progress."""
+        from engine.weight_update import IN_PROGRESS, WeightLoad, check_request
 
-        self._weight_update = read_weights(self.runner, model_dir, version, mode)
-        if mode == "finish_old":
-            self.scheduler.admit_new = False
-        self._maybe_swap_weights()
-        return {"version": self._weight_update.version if self._weight_update else self.weight_version,
-                "mode": mode, "applied": self._weight_update is None}
+        if self._weight_update is not None:
+            raise WeightLoadError(f"{IN_PROGRESS} ({self._weight_update.model_dir}, "
+                                  f"{self._weight_update.state}); wait for it to finish")
+        check_request(self.runner, model_dir, mode)
+        self._weight_update = WeightLoad.start(self.runner, model_dir, version, mode, on_read)
+        return self._weight_update.describe()
+
+    def weight_status(self) -> dict:
+        load = self._weight_update or self.last_weight_load
+        return {"version": self.weight_version, "model_dir": self.runner.model_dir,
+                "load": load.describe() if load is not None else None}
 
     def _maybe_swap_weights(self) -> None:
         from engine.weight_update import apply
 
-        update = self._weight_update
-        in_flight = len(self.batch_queue) + (self._inflight is not None)
-        if update.decide(self.scheduler.num_running, in_flight) != "swap":
+        load = self._weight_update
+        if not load.read_done:
             return
-        if update.mode == "continue_new":
-            self.scheduler.preempt_running()
-        apply(self.runner, update)
-        self.kv.reset_prefix_cache()  # cached blocks hold the old weights' KV
-        self.weight_version = update.version
-        self._weight_update = None
+        if load.error is None:
+            if load.mode == "finish_old":
+                self.scheduler.admit_new = False  # new requests wait for the new weights
+            in_flight = len(self.batch_queue) + (self._inflight is not None)
+            if load.decide(self.scheduler.num_running, in_flight) != "swap":
+                return
+            if load.mode == "continue_new":
+                self.scheduler.preempt_running()
+            try:
+                apply(self.runner, load)
+            except WeightLoadError as exc:
+                load.fail(str(exc))
+            else:
+                self.kv.reset_prefix_cache()  # cached blocks hold the old weights' KV
+                self.weight_version = load.version
+        self._weight_update, self.last_weight_load = None, load
         self.scheduler.admit_new = True
 
     def reset_prefix_cache(self) -> bool:

@@ -38,6 +38,7 @@ class ModelRunner:
         self.model, self.hf_config, self.spec, self.weights_bytes = load_model(
             config.model, self.dtype, self.device, max_model_len, expert_range, progress)
         self.load_s = time.monotonic() - t0
+        self.model_dir = config.model  # where the weights in place came from (a weight swap moves it)
         self.block_size = config.block_size
         self.max_positions = max_model_len  # rows of the rotary tables
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []

@@ -456,8 +456,14 @@ class EngineCoreProc:
         return self.core.reset_prefix_cache()
 
     def _u_load_weights(self, model_dir: str, version: str | None = None, mode: str = "finish_old") -> dict:
-        """Swap in new weights at a step boundary (EngineCore.load_weights)."""
-        return self.core.load_weights(model_dir, version, mode)
+        """Read new weights on a thread, swap them in at a step boundary (EngineCore.load_weights);
+        the read's end wakes an idle loop so the swap happens at once."""
+        wake = lambda: self.input_queue.put((None, MsgType.WAKEUP, None))  # noqa: E731
+        return self.core.load_weights(model_dir, version, mode, on_read=wake)
+
+    def _u_weight_status(self) -> dict:
+        """The weight version in place and the current or last load (EngineCore.weight_status)."""
+        return self.core.weight_status()
 
     def _u_pause(self) -> str:
         if self.state != EngineState.RUNNING:

@@ -17,7 +17,7 @@ import structlog
 import torch
 
 from engine.config import EngineConfig
-from engine.errors import InvalidRequestError, UnsupportedModelError
+from engine.errors import InvalidRequestError, UnsupportedModelError, WeightLoadError
 from engine.messages import EngineCoreOutput, EngineCoreRequest, SchedulerStats
 from engine.model_runner import resolve_dtype
 from engine.models.loader import model_fingerprint
@@ -182,6 +182,14 @@ class PoolingEngineCore:
     def kv_figures(self) -> dict:
         return {"kv_cache_bytes": 0, "num_kv_blocks": 0, "block_size": self.config.block_size,
                 "kv_source": self.kv_source, "max_model_len": self.max_model_len}
+
+    def load_weights(self, model_dir: str, version: str | None = None, mode: str = "finish_old",
+                     on_read=None) -> dict:
+        raise WeightLoadError("loading new weights into a running pooling model is not supported; "
+                              "restart the engine with the new model")
+
+    def weight_status(self) -> dict:
+        return {"version": self.weight_version, "model_dir": self.config.model, "load": None}
 
     def reset_prefix_cache(self) -> bool:
         return True

@@ -1,4 +1,5 @@
-"""EngineCore.load_weights: two demo checkpoints of different seeds, both swap modes."""
+"""EngineCore.load_weights: two demo checkpoints of different seeds, both swap modes; the
+checkpoint is read on a thread while the engine steps, and swapped at a step boundary."""
 
 from __future__ import annotations
 
@@ -52,6 +53,12 @@ def _step(core, seen: dict) -> None:
         seen.setdefault(o.request_id, []).extend((t, o.weight_version) for t in o.new_token_ids)
 
 
+def _read(core) -> dict:
+    """Wait for the load's read thread (the busy loop never does; tests step by hand)."""
+    assert core._weight_update.wait_read(60)
+    return core._weight_update.describe()
+
+
 def test_continue_new_swaps_mid_request_and_recomputes(ckpts):
     core = _core(ckpts["a"])
     old_version = core.weight_version
@@ -60,15 +67,40 @@ def test_continue_new_swaps_mid_request_and_recomputes(ckpts):
     for _ in range(5):
         _step(core, seen)
     k = len(seen["r"])
-    result = core.load_weights(ckpts["b"], version="v2", mode="continue_new")
-    assert result == {"version": "v2", "mode": "continue_new", "applied": True}
-    assert core.scheduler.num_preemptions == 1  # its KV is recomputed on the new weights
+    started = core.load_weights(ckpts["b"], version="v2", mode="continue_new")
+    assert started["state"] == "reading" and started["version"] == "v2"  # returned before the read
+    assert core.weight_version == old_version
+    assert _read(core)["state"] == "ready"
     _drain(core, seen)
+    assert core.scheduler.num_preemptions == 1  # its KV is recomputed on the new weights
     tokens = [t for t, _ in seen["r"]]
     versions = [v for _, v in seen["r"]]
     assert versions == [old_version] * k + ["v2"] * (MAX_TOKENS - k)
     assert tokens[:k] == _greedy(ckpts["a"], PROMPT, k)
     assert tokens[k:] == _greedy(ckpts["b"], PROMPT + tokens[:k], MAX_TOKENS - k)
+    status = core.weight_status()
+    assert status["version"] == "v2" and status["model_dir"] == ckpts["b"]
+    assert status["load"]["state"] == "applied" and status["load"]["load_id"] == started["load_id"]
+
+
+def test_steps_go_on_while_the_checkpoint_is_read(ckpts):
+    """The read is not on the stepping thread: the engine serves the old weights until the
+    read is done, whatever the read's duration."""
+    core = _core(ckpts["a"])
+    old_version = core.weight_version
+    core.add_request(_req("r", max_tokens=40))
+    seen: dict = {}
+    _step(core, seen)
+    woken = []
+    core.load_weights(ckpts["b"], version="v2", mode="continue_new", on_read=lambda: woken.append(1))
+    load = core._weight_update
+    while not load.read_done:  # steps during the read: all on the old weights
+        _step(core, seen)
+    assert woken == [1] and core.has_unfinished_requests()
+    _drain(core, seen)
+    versions = [v for _, v in seen["r"]]
+    n_old = versions.count(old_version)
+    assert n_old >= 1 and versions == [old_version] * n_old + ["v2"] * (40 - n_old)
 
 
 def test_finish_old_lets_running_requests_finish_first(ckpts):
@@ -77,24 +109,31 @@ def test_finish_old_lets_running_requests_finish_first(ckpts):
     core.add_request(_req("old"))
     seen: dict = {}
     _step(core, seen)
-    result = core.load_weights(ckpts["b"], mode="finish_old")  # version from the bytes
-    assert not result["applied"] and result["version"] != old_version
+    started = core.load_weights(ckpts["b"], mode="finish_old")  # version from the bytes, once read
+    assert started["version"] is None and started["state"] == "reading"
+    version = _read(core)["version"]
+    assert version and version != old_version
     core.add_request(_req("new"))
     while "old" in core.scheduler.requests:
         _step(core, seen)
         assert "new" not in seen  # not admitted while the old request runs
     _drain(core, seen)
     assert seen["old"] == [(t, old_version) for t in _greedy(ckpts["a"], PROMPT, MAX_TOKENS)]
-    assert seen["new"] == [(t, result["version"]) for t in _greedy(ckpts["b"], PROMPT, MAX_TOKENS)]
-    assert core.weight_version == result["version"] and core.scheduler.admit_new
+    assert seen["new"] == [(t, version) for t in _greedy(ckpts["b"], PROMPT, MAX_TOKENS)]
+    assert core.weight_version == version and core.scheduler.admit_new
 
 
-def test_idle_engine_swaps_at_once_and_prefix_cache_is_dropped(ckpts):
+def test_idle_engine_swaps_at_the_next_step_and_prefix_cache_is_dropped(ckpts):
     core = _core(ckpts["a"])
     seen: dict = {}
     core.add_request(_req("warm"))
     _drain(core, seen)  # its blocks are now in the prefix cache
-    assert core.load_weights(ckpts["b"], version="v2")["applied"]
+    core.load_weights(ckpts["b"], version="v2")
+    assert not core.has_unfinished_requests() or core._weight_update.read_done
+    _read(core)
+    assert core.has_unfinished_requests()  # the swap is due: an idle loop steps once
+    assert core.step() == ([], False) and core.weight_version == "v2"
+    assert not core.has_unfinished_requests()
     core.add_request(_req("after"))
     _drain(core, seen)
     assert [t for t, _ in seen["after"]] == _greedy(ckpts["b"], PROMPT, MAX_TOKENS)
@@ -106,24 +145,73 @@ def test_incompatible_checkpoint_is_refused_and_old_weights_serve_on(ckpts, tmp_
     version = core.weight_version
     with pytest.raises(WeightLoadError, match="architecture"):
         core.load_weights(ckpts["dense"], mode="continue_new")
-    with pytest.raises(WeightLoadError):
-        core.load_weights(str(tmp_path), mode="continue_new")  # no config.json
+    with pytest.raises(WeightLoadError, match="not a directory"):
+        core.load_weights(str(tmp_path / "nowhere"), mode="continue_new")
+    with pytest.raises(WeightLoadError, match="config.json"):
+        core.load_weights(str(tmp_path), mode="continue_new")
     with pytest.raises(WeightLoadError, match="mode"):
         core.load_weights(ckpts["b"], mode="sometime")
+    assert core._weight_update is None and core.weight_status()["load"] is None
     seen: dict = {}
     core.add_request(_req("r"))
     _drain(core, seen)
     assert seen["r"] == [(t, version) for t in _greedy(ckpts["a"], PROMPT, MAX_TOKENS)]
 
 
+def test_a_checkpoint_that_fails_its_read_changes_nothing(ckpts, tmp_path):
+    """Same config, but a tensor of the wrong shape: refused by the read thread, reported
+    in weight_status; the engine serves on with the old weights and takes the next load."""
+    from safetensors.torch import load_file, save_file
+    import shutil
+
+    bad = tmp_path / "bad"
+    shutil.copytree(ckpts["b"], bad)
+    tensors = load_file(str(bad / "model.safetensors"))
+    name = next(n for n in tensors if n.endswith("o_proj.weight"))
+    tensors[name] = tensors[name][:, :-1].contiguous()
+    save_file(tensors, str(bad / "model.safetensors"), metadata={"format": "pt"})
+    core = _core(ckpts["a"])
+    version = core.weight_version
+    core.load_weights(str(bad), mode="continue_new")
+    failed = _read(core)
+    assert failed["state"] == "failed" and "o_proj" in failed["error"]
+    core.add_request(_req("r"))
+    seen: dict = {}
+    _drain(core, seen)
+    assert seen["r"] == [(t, version) for t in _greedy(ckpts["a"], PROMPT, MAX_TOKENS)]
+    assert core.weight_status()["load"]["state"] == "failed" and core.weight_version == version
+    core.load_weights(ckpts["b"], version="v3", mode="continue_new")  # not stuck "in progress"
+    _read(core)
+    core.step()
+    assert core.weight_version == "v3"
+
+
+def test_a_second_load_while_one_is_in_progress_is_refused(ckpts):
+    from engine.weight_update import IN_PROGRESS
+
+    core = _core(ckpts["a"])
+    core.add_request(_req("r"))
+    core.step()
+    core.load_weights(ckpts["b"], version="v2", mode="finish_old")
+    with pytest.raises(WeightLoadError, match=IN_PROGRESS):
+        core.load_weights(ckpts["b"], version="v3", mode="continue_new")
+    _drain(core, {})
+    assert core.weight_version == "v2"
+
+
 def test_load_weights_is_a_utility_call(ckpts):
     from engine.proc import EngineCoreProc
-    from engine.wire import UtilityCall
+    from engine.wire import MsgType, UtilityCall
 
     proc = EngineCoreProc(0, ["ipc:///nonexistent"], None)
     proc.core = _core(ckpts["a"])
     ok = proc._utility(UtilityCall(call_id=1, method="load_weights",
                                    args={"model_dir": ckpts["b"], "version": "v9", "mode": "continue_new"}))
-    assert ok.ok and ok.result["version"] == "v9" and proc.core.weight_version == "v9"
-    bad = proc._utility(UtilityCall(call_id=2, method="load_weights", args={"model_dir": ckpts["dense"]}))
+    assert ok.ok and ok.result["version"] == "v9" and ok.result["state"] == "reading"
+    assert proc.input_queue.get(timeout=60) == (None, MsgType.WAKEUP, None)  # the read woke the loop
+    proc.core.step()
+    status = proc._utility(UtilityCall(call_id=2, method="weight_status", args={}))
+    assert status.ok and status.result["version"] == "v9" and status.result["load"]["state"] == "applied"
+    bad = proc._utility(UtilityCall(call_id=3, method="load_weights", args={"model_dir": ckpts["dense"]}))
     assert not bad.ok and "WeightLoadError" in bad.error and proc.core.weight_version == "v9"
+
