@@ -181,8 +181,9 @@ class ModelRunner:
             self.model(empty, empty, self.kv_caches, md)
 
     def reload_experts(self, expert_range: tuple[int, int]) -> int:
-        """Re-home experts: load [start, end) of every MoE layer from the checkpoint.
+        """Re-home experts: load [start, end) of every MoE layer from the checkpoint the
+        weights in place came from (the latest swapped-in one, not the start-up one).
         Returns the bytes read."""
         from engine.models.loader import load_expert_weights
 
-        return load_expert_weights(self.model, self.config.model, self.spec, self.dtype, self.device, expert_range)
+        return load_expert_weights(self.model, self.model_dir, self.spec, self.dtype, self.device, expert_range)

@@ -215,3 +215,28 @@ def test_load_weights_is_a_utility_call(ckpts):
     bad = proc._utility(UtilityCall(call_id=3, method="load_weights", args={"model_dir": ckpts["dense"]}))
     assert not bad.ok and "WeightLoadError" in bad.error and proc.core.weight_version == "v9"
 
+
+def test_expert_rehoming_after_a_swap_reads_the_new_checkpoint(ckpts):
+    """An expert-parallel rank that moves to other experts after a weight swap must load
+    them from the swapped-in checkpoint, not from the one it started with."""
+    import torch
+
+    from engine.model_runner import ModelRunner
+    from engine.models.loader import load_model
+    from engine.weight_update import WeightLoad, apply
+
+    runner = ModelRunner(EngineConfig(model=ckpts["a"], num_kv_blocks=8, max_model_len=64), 64, (0, 4))
+    load = WeightLoad.start(runner, ckpts["b"], "v2", "continue_new")
+    assert load.wait_read(60) and load.error is None
+    apply(runner, load)
+    assert runner.model_dir == ckpts["b"]
+    runner.reload_experts((4, 8))
+
+    def experts(model_dir: str) -> list[torch.Tensor]:
+        model = load_model(model_dir, runner.dtype, torch.device("cpu"), 64, (4, 8))[0]
+        return [layer.mlp.w13 for layer in model.layers]
+
+    want, stale = experts(ckpts["b"]), experts(ckpts["a"])
+    for layer, w, s in zip(runner.model.layers, want, stale):
+        assert (layer.mlp.expert_start, layer.mlp.expert_end) == (4, 8)
+        assert torch.equal(layer.mlp.w13, w) and not torch.equal(layer.mlp.w13, s)
