@@ -85,7 +85,9 @@ class EngineCore:
                                    max_len, config.scheduling_policy, config.enable_chunked_prefill)
         self.structured = StructuredOutputManager(config.tokenizer or config.model, self.vocab_size)
         self.runner.structured = self.structured  # grammar bitmasks, filled during the forward
-        self.aborts_queue: queue.Queue[list[str]] = queue.Queue()
+        # Aborts from another thread (queue_aborts), applied between a forward and its output
+        # update, so an abort that arrives mid-forward yields no token of that step.
+        self.aborts_queue: queue.Queue[list[Request]] = queue.Queue()
         self._pending_outputs: list[EngineCoreOutput] = []
         self.step_counter = 0
         self._inflight: SchedulerOutput | None = None
@@ -148,6 +150,19 @@ class EngineCore:
         for req in self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED):
             self._pending_outputs.append(self._output(req, []))
 
+    def queue_aborts(self, request_ids: list[str]) -> None:
+        """Thread-safe (the engine process's input thread calls it while the loop is in a
+        forward): abort these requests at the loop's next abort point, which is between
+        the running forward and its output update, or the start of the next step.
+
+        Ids are resolved to their Request objects now (a dict read, atomic under the GIL)
+        and an abort applies only if that same object is still the live request, so a
+        queued abort never hits a later request that reuses the id. Unknown ids (not added
+        yet, or finished) are skipped: the caller keeps its ordered abort path for those."""
+        reqs = [req for req in map(self.scheduler.requests.get, request_ids) if req is not None]
+        if reqs:
+            self.aborts_queue.put(reqs)
+
     def fail_requests(self, request_ids: list[str], error: str) -> None:
         for req in self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ERROR):
             req.error = error
@@ -162,6 +177,7 @@ class EngineCore:
         """One scheduling step. ``force_forward`` (expert parallelism): run a forward even
         when nothing is schedulable, so every rank joins the step's collectives."""
         step_t0 = time.perf_counter()
+        self._process_aborts_queue()  # those that came in since the last step
         outputs = self._take_pending()
         if self._weight_update is not None:
             self._maybe_swap_weights()
@@ -204,6 +220,7 @@ class EngineCore:
         can be scheduled."""
         if self._executor is None:
             return self.step()
+        self._process_aborts_queue()
         outputs = self._take_pending()
         if self._weight_update is not None:
             self._maybe_swap_weights()
@@ -309,12 +326,13 @@ class EngineCore:
         return self.iterations.take() if self.iterations is not None else None
 
     def _process_aborts_queue(self) -> None:
+        live = self.scheduler.requests
         while True:
             try:
-                ids = self.aborts_queue.get_nowait()
+                reqs = self.aborts_queue.get_nowait()
             except queue.Empty:
                 return
-            self.abort_requests(ids)
+            self.abort_requests([r.request_id for r in reqs if live.get(r.request_id) is r])
 
     def _take_pending(self) -> list[EngineCoreOutput]:
         out, self._pending_outputs = self._pending_outputs, []

@@ -3,9 +3,11 @@
     input thread (DEALER per frontend) -> input queue -> busy loop (EngineCore.step)
                                                           -> output queue -> output thread (PUSH)
 
-The busy loop is the only thread that touches the core. It blocks on the input queue when
+The busy loop is the only thread that changes the core. It blocks on the input queue when
 idle, drains it when busy, steps, and pushes outputs (plus SchedulerStats when they
-change). Faults: a ``RequestExecutionError`` fails those requests and the loop goes on; any
+change). The one exception: the input thread also puts ABORTs on the core's aborts queue
+(``EngineCore.queue_aborts``), which the step applies between the forward and its output
+update, so an abort that arrives mid-forward gets no token from that step. Faults: a ``RequestExecutionError`` fails those requests and the loop goes on; any
 other exception makes the engine UNHEALTHY and, unless a "reset"/"resume" utility call
 comes within ``recovery_timeout_s``, it dies: ENGINE_CORE_DEAD to every frontend, sockets
 lingered, exit code 1. A coordinator SUB socket (DP wave / stats fan-in) is not wired yet;
@@ -146,7 +148,8 @@ class EngineCoreProc:
             log.info("engine %d ready: %d KV blocks, max_model_len %d", self.engine_index,
                      self.core.num_kv_blocks, self.core.max_model_len)
             input_thread = InputThread(self.engine_index, self._links, self.input_queue,
-                                       self.output_queue, self.settings.max_message_bytes)
+                                       self.output_queue, self.settings.max_message_bytes,
+                                       on_abort=self._abort_eagerly)
             input_thread.start()
             if self.settings.heartbeat_address:
                 from engine.heartbeat import HeartbeatThread
@@ -208,6 +211,19 @@ class EngineCoreProc:
                          kv_usage=round(core.kv.usage, 4), kv_cache_bytes=core.kv_cache_bytes,
                          num_kv_blocks=core.num_kv_blocks, kv_source=core.kv_source,
                          timestamp=time.time())
+
+    def _abort_eagerly(self, slot: int, request_ids: list[str]) -> None:
+        """Input thread: hand this frontend's in-flight requests among ``request_ids`` to
+        the core's aborts queue, applied between the running forward and its output
+        update (EngineCore.queue_aborts). Reads only (dict gets, atomic under the GIL);
+        the ABORT also stays on the input queue, so ids not added yet and an idle loop
+        are handled there, in order."""
+        queue_aborts = getattr(self.core, "queue_aborts", None)
+        if queue_aborts is None:
+            return
+        ids = [rid for rid in request_ids if self._req_slot.get(rid) == slot]
+        if ids:
+            queue_aborts(ids)
 
     def _on_signal(self, signum, frame) -> None:
         # Runs on the main thread between bytecodes; SimpleQueue.put is reentrant-safe.

@@ -12,7 +12,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import zmq
 
@@ -117,9 +117,13 @@ class InputThread(threading.Thread):
     """
 
     def __init__(self, engine_index: int, links: list[FrontendLink], input_queue: queue.SimpleQueue,
-                 output_queue: queue.SimpleQueue, max_message_bytes: int) -> None:
+                 output_queue: queue.SimpleQueue, max_message_bytes: int,
+                 on_abort: Callable[[int, list[str]], None] | None = None) -> None:
         super().__init__(name=f"engine{engine_index}-input", daemon=True)
         self.engine_index = engine_index
+        # on_abort(slot, ids), on this thread, before the ABORT is queued: the eager path
+        # (as in vLLM v1) that lets an abort land while the busy loop is inside a forward.
+        self.on_abort = on_abort
         self.links = links
         self.input_queue = input_queue
         self.output_queue = output_queue
@@ -160,6 +164,13 @@ class InputThread(threading.Thread):
             return
         if msg_type in (MsgType.HANDSHAKE_INIT, MsgType.HANDSHAKE_REJECT):
             return  # a late answer to a re-sent HELLO
+        if msg_type == MsgType.ABORT and self.on_abort is not None:
+            # Both paths, as vLLM v1 does: the eager one reaches a running step, the queued
+            # one keeps ABORT ordered after its ADD; aborting twice is a no-op.
+            try:
+                self.on_abort(slot, msg.request_ids)
+            except Exception:  # a bug there must not stop the input thread
+                log.exception("eager abort failed; the queued abort still applies")
         self.input_queue.put((slot, msg_type, msg))
 
     def _malformed(self, slot: int, frames: list, exc: WireFormatError) -> None:

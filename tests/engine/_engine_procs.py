@@ -89,6 +89,7 @@ class RawFrontend:
         self.dec = WireDecoder(FRONTEND_INPUT_TYPES)
         self.outputs: dict[str, list] = {}
         self.statuses: list = []  # every EngineStatus seen, in order
+        self.iterations: list = []  # (message timestamp, IterationDetails) when the engine sends them
 
     def recv_router(self, timeout_s: float = 60.0):
         if not self.router.poll(int(timeout_s * 1000)):
@@ -104,6 +105,7 @@ class RawFrontend:
         if t == MsgType.OUTPUTS:
             for out in msg.outputs:
                 self.outputs.setdefault(out.request_id, []).append(out)
+            self.iterations.extend((msg.timestamp, d) for d in msg.iteration_details or ())
         elif t == MsgType.STATUS:
             self.statuses.append(msg)
         return t, msg

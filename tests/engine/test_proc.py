@@ -298,3 +298,45 @@ def test_sigterm_wakes_an_idle_loop(started):
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(10) == 0
     print(f"idle engine exited {time.monotonic() - t0:.3f} s after SIGTERM")
+
+
+def test_abort_during_a_forward_gets_no_token_and_frees_blocks(tiny_model, short_tmp):
+    """Two 2000-token prefills make one long forward (~0.2 s); an ABORT sent 40 ms into it
+    reaches the core through the input thread's eager path and is applied before that
+    step's outputs, so the requests finish "abort" with no token although the step that
+    would have sampled their first token ran (its iteration record says so)."""
+    fe = RawFrontend(short_tmp)
+    cfg = engine_config(tiny_model, max_model_len=2048, max_num_batched_tokens=4096,
+                        kv_cache_bytes=64 * 2**20, iteration_details=True)
+    proc = spawn_engine(0, fe.input_addr, short_tmp, cfg)
+    try:
+        fe.handshake(0)
+        hits = []
+        for attempt in range(5):
+            ids = [f"big{attempt}-{j}" for j in range(2)]
+            for j, rid in enumerate(ids):
+                fe.send(0, MsgType.ADD, request(rid, max_tokens=50,
+                                                prompt=[3 + (7 * i + 11 * j + attempt) % 4000 for i in range(2000)]))
+            time.sleep(0.04)
+            t_abort = time.time()
+            fe.send(0, MsgType.ABORT, AbortRequests(request_ids=ids))
+            got = fe.collect(set(ids))
+            # Valid attempts: a step that computed a whole prompt (so it samples) and whose
+            # outputs were published after the ABORT was sent.
+            in_forward = {rid for ts, d in fe.iterations if ts > t_abort
+                          for rid, n in zip(d.request_ids, d.num_scheduled_tokens) if rid in ids and n == 2000}
+            for rid in ids:
+                assert got[rid][-1].finish_reason == "abort", got[rid]
+                if rid in in_forward:
+                    assert [t for o in got[rid] for t in o.new_token_ids] == [], engine_log(proc)
+            hits += in_forward
+            if len(hits) >= 2:
+                break
+        assert hits, f"no ABORT landed inside a forward in 5 tries: {fe.iterations}"
+        stats = _utility(fe, "get_stats", call_id=7)
+        assert stats.ok and stats.result["kv_usage"] == 0.0 and stats.result["num_running"] == 0
+        fe.send(0, MsgType.ADD, request("after", max_tokens=3))
+        assert fe.collect({"after"})["after"][-1].finish_reason == "length"
+    finally:
+        stop_engine(proc)
+        fe.close()
