@@ -4,11 +4,12 @@
         [--served-model-name NAME] [--engine-config-json '{"max_model_len": 256}'] [--spawn-engines]
 
 The client binds its ROUTER/PULL sockets under ``--runtime-dir`` (``fe<index>-in`` /
-``fe<index>-out``); engines (started by the supervisor, or by this process with
-``--spawn-engines``) connect there. HTTP serves at once: /health is 200 from the start,
-/ready turns 200 when an engine is running. SIGTERM or SIGINT: /ready goes 503, the
-listening socket closes, in-flight requests get ``--drain-timeout-s`` to finish, then the
-rest are cancelled (which aborts them in the engines) and the process exits 0.
+``fe<index>-out``) and its admin socket ``fe<index>-admin`` (frontend/admin.py); engines
+(started by the supervisor, or by this process with ``--spawn-engines``) connect there.
+HTTP serves at once: /health is 200 from the start, /ready turns 200 when an engine is
+running. SIGTERM or SIGINT: /ready goes 503, the listening socket closes, in-flight
+requests get ``--drain-timeout-s`` to finish, then the rest are cancelled (which aborts
+them in the engines) and the process exits 0.
 """
 
 from __future__ import annotations
@@ -82,6 +83,10 @@ async def serve(args: argparse.Namespace) -> int:
                           engine_config=engine_config)
     server = create_server(client, args.model, args.served_model_name, args.max_model_len, args.max_logprobs)
     await client.start(wait_ready=False)
+    from frontend.admin import AdminSocket, EngineAdmin
+
+    admin_socket = AdminSocket(EngineAdmin(client), args.runtime_dir, args.client_index)
+    admin_socket.start()  # planaria load-weights reaches the engines through it
     procs = _spawn_engines(args.engines, client.input_address, engine_config) if args.spawn_engines else []
 
     runner = web.AppRunner(server.build_app(), handler_cancellation=True, access_log=None,
@@ -116,6 +121,7 @@ async def serve(args: argparse.Namespace) -> int:
     if not await server.wait_idle(args.drain_timeout_s):
         log.warning("%d request(s) still running at the drain timeout; cancelling them", server.num_in_flight)
     await runner.cleanup()  # cancels what is left (which aborts it in the engines)
+    await admin_socket.close()
     await client.close()
     if procs:
         await asyncio.to_thread(_stop_procs, procs, args.drain_timeout_s)
