@@ -53,6 +53,7 @@ class GenerationDelta:
     finish_reason: str | None = None  # "stop" | "length" | "abort" on the last delta
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
+    weight_version: str | None = None  # the engine weights that produced these tokens
 
 
 @dataclass
@@ -174,7 +175,8 @@ class Generator:
                 yield GenerationDelta(text=text, token_ids=list(out.new_token_ids),
                                       logprobs=out.new_logprobs, num_prompt_tokens=num_prompt,
                                       num_output_tokens=num_output, finish_reason=finish_reason,
-                                      stop_reason=stop_reason, num_cached_tokens=out.num_cached_tokens)
+                                      stop_reason=stop_reason, num_cached_tokens=out.num_cached_tokens,
+                                      weight_version=out.weight_version)
                 if finish_reason is not None:
                     break  # a stop string: closing `outs` aborts the rest in the engine
         except FrontendError:

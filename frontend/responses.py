@@ -1,4 +1,9 @@
-"""OpenAI response bodies and stream chunks, as plain dicts. Pure."""
+"""OpenAI response bodies and stream chunks, as plain dicts. Pure.
+
+Extension field: ``weight_version`` on every completion / chat body and stream chunk, the
+version of the engine weights that produced its tokens (for a whole body: its last token;
+null before any token). It tells a rolling weight update's old and new answers apart.
+"""
 
 from __future__ import annotations
 
@@ -26,15 +31,16 @@ def completion_choice(index: int, text: str, logprobs: dict | None, finish_reaso
             "stop_reason": stop_reason}
 
 
-def completion(response_id: str, created: int, model: str, choices: list[dict], usage_: dict) -> dict:
+def completion(response_id: str, created: int, model: str, choices: list[dict], usage_: dict,
+               weight_version: str | None = None) -> dict:
     return {"id": response_id, "object": "text_completion", "created": created, "model": model,
-            "choices": choices, "usage": usage_}
+            "choices": choices, "usage": usage_, "weight_version": weight_version}
 
 
 def completion_chunk(response_id: str, created: int, model: str, choices: list[dict],
-                     usage_: dict | None = None) -> dict:
+                     usage_: dict | None = None, weight_version: str | None = None) -> dict:
     return {"id": response_id, "object": "text_completion", "created": created, "model": model,
-            "choices": choices, "usage": usage_}
+            "choices": choices, "usage": usage_, "weight_version": weight_version}
 
 
 # -- /v1/chat/completions ----------------------------------------------------------------
@@ -45,9 +51,10 @@ def chat_choice(index: int, text: str, logprobs: list[dict] | None, finish_reaso
             "finish_reason": finish_reason, "stop_reason": stop_reason}
 
 
-def chat_completion(response_id: str, created: int, model: str, choices: list[dict], usage_: dict) -> dict:
+def chat_completion(response_id: str, created: int, model: str, choices: list[dict], usage_: dict,
+                    weight_version: str | None = None) -> dict:
     return {"id": response_id, "object": "chat.completion", "created": created, "model": model,
-            "choices": choices, "usage": usage_}
+            "choices": choices, "usage": usage_, "weight_version": weight_version}
 
 
 def chat_chunk_choice(index: int, delta: dict, logprobs: list[dict] | None = None,
@@ -58,12 +65,18 @@ def chat_chunk_choice(index: int, delta: dict, logprobs: list[dict] | None = Non
 
 
 def chat_chunk(response_id: str, created: int, model: str, choices: list[dict],
-               usage_: dict | None = None) -> dict:
+               usage_: dict | None = None, weight_version: str | None = None) -> dict:
     return {"id": response_id, "object": "chat.completion.chunk", "created": created, "model": model,
-            "choices": choices, "usage": usage_}
+            "choices": choices, "usage": usage_, "weight_version": weight_version}
 
 
-def model_list(model: str, created: int, max_model_len: int | None, root: str) -> dict:
+def model_list(model: str, created: int, max_model_len: int | None, root: str,
+               weight_versions: dict[str, str] | None = None) -> dict:
+    """``weight_versions``: engine index -> the version it serves; ``weight_version`` is
+    their common value (null while the engines differ, e.g. mid rolling update)."""
+    versions = weight_versions or {}
+    common = set(versions.values())
     return {"object": "list", "data": [{
         "id": model, "object": "model", "created": created, "owned_by": "planaria", "root": root,
-        "parent": None, "max_model_len": max_model_len}]}
+        "parent": None, "max_model_len": max_model_len,
+        "weight_version": common.pop() if len(common) == 1 else None, "weight_versions": versions}]}

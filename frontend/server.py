@@ -2,7 +2,7 @@
 
     POST /v1/completions, /v1/chat/completions   (frontend.serving)
     POST /v1/embeddings                           (frontend.embeddings, pooling models)
-    GET  /v1/models
+    GET  /v1/models   (with the engines' weight_version / weight_versions)
     GET  /health    200 while the process runs (liveness)
     GET  /ready     200 when at least one engine is running and we are not draining, else 503
     GET  /metrics   Prometheus text
@@ -43,6 +43,7 @@ class FrontendServer:
         self.draining = False
         self.num_in_flight = 0
         self.embeddings = None  # frontend.embeddings.EmbeddingServing (create_server sets it)
+        self.admin = None  # frontend.admin.EngineAdmin (create_server sets it): weight versions
         self._idle = asyncio.Event()
         self._idle.set()
 
@@ -131,7 +132,8 @@ class FrontendServer:
 
     async def models(self, request: web.Request) -> web.Response:
         m = self.serving.model
-        return web.json_response(R.model_list(m.name, self.created, self.serving.max_model_len, m.path))
+        versions = await self.admin.weight_versions() if self.admin is not None else None
+        return web.json_response(R.model_list(m.name, self.created, self.serving.max_model_len, m.path, versions))
 
     async def metrics_text(self, request: web.Request) -> web.Response:
         text = self.metrics.render(self.client.engines, self.num_in_flight)
@@ -182,6 +184,9 @@ def create_server(client, model_dir: str | Path, served_model_name: str | None =
 
     serving = OpenAIServing(generator, tokenizer, model, engine_max_model_len)
     server = FrontendServer(client, serving, metrics)
+    from frontend.admin import EngineAdmin
+
+    server.admin = EngineAdmin(client, utility_timeout_s=2.0)
     from engine.pooling.loader import is_bert_config
     from frontend.embeddings import EmbeddingServing
 

@@ -180,15 +180,19 @@ class OpenAIServing:
     async def _serve(self, request: web.Request, req, ecrs, render, response_id: str) -> web.StreamResponse:
         created = R.now_s()
         name = self.model.name
+        version = None  # weight_version of the latest delta (responses.py)
         async with contextlib.aclosing(self._merged(ecrs)) as deltas:
             if not req.stream:
                 async for i, d in deltas:
                     render.delta(render.choices[i], d)
+                    version = d.weight_version or version
                 cs = render.choices
                 u = R.usage(sum(c.num_prompt_tokens for c in cs), sum(c.num_output_tokens for c in cs))
-                return web.json_response(render.body(response_id, created, name, [render.final(c) for c in cs], u),
-                                         dumps=lambda o: _json.encode(o).decode())
+                body = render.body(response_id, created, name, [render.final(c) for c in cs], u, version)
+                return web.json_response(body, dumps=lambda o: _json.encode(o).decode())
             first = await anext(deltas, _END)  # an error before any output is still an HTTP status
+            if first is not _END:
+                version = first[1].weight_version
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
             resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
@@ -202,21 +206,22 @@ class OpenAIServing:
 
                 for choices in render.first_chunks():
                     await _sse(resp, render.chunk(response_id, created, name, choices,
-                                                  running_usage() if continuous else None))
+                                                  running_usage() if continuous else None, version))
                 try:
                     item = first
                     while item is not _END:
                         i, d = item
+                        version = d.weight_version or version
                         choice = render.delta(render.choices[i], d)
                         if choice is not None:
                             await _sse(resp, render.chunk(response_id, created, name, [choice],
-                                                          running_usage() if continuous else None))
+                                                          running_usage() if continuous else None, version))
                         item = await anext(deltas, _END)
                 except FrontendError as exc:
                     await _sse(resp, exc.body())
                 else:
                     if include_usage:
-                        await _sse(resp, render.chunk(response_id, created, name, [], running_usage()))
+                        await _sse(resp, render.chunk(response_id, created, name, [], running_usage(), version))
                 await resp.write(b"data: [DONE]\n\n")
                 await resp.write_eof()
             except ConnectionResetError:
