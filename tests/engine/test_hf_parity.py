@@ -65,19 +65,26 @@ def test_greedy_parity_default(demo_models, preset):
     assert sum(o.num_cached_tokens for o in outs) > 1000
 
 
-@pytest.mark.parametrize("preset", ["tiny-moe", "tiny-dense"])
+@pytest.mark.parametrize("preset", ARCHS)
 def test_greedy_parity_chunked_prefill_and_preemption(demo_models, preset):
     model = demo_models(preset)
     prompts = make_prompts()
     ref = hf_reference(model, prompts)
-    # Chunked prefill: a 64-token budget splits every long prompt.
+    # Chunked prefill: a 64-token budget splits every long prompt (prefix caching on).
     llm = LLM(model, max_num_seqs=16, max_num_batched_tokens=64, kv_cache_bytes=64 * 2**20)
     check(llm, prompts, ref)
+    assert llm.core.kv.pool.num_cache_hits_blocks > 0  # the shared 64-token prefix
     # Preemption: 40 blocks of 16 tokens cannot hold all 16 sequences at once.
     llm = LLM(model, max_num_seqs=16, max_num_batched_tokens=512, num_kv_blocks=40,
               enable_prefix_caching=False)
     check(llm, prompts, ref)
     assert llm.core.scheduler.num_preemptions > 0
+    # Preemption with prefix caching on: resumed requests and shared prefixes hit blocks
+    # that survived in the free list; chunks of 128 tokens on top.
+    llm = LLM(model, max_num_seqs=16, max_num_batched_tokens=128, num_kv_blocks=40)
+    check(llm, prompts, ref)
+    assert llm.core.scheduler.num_preemptions > 0
+    assert llm.core.kv.pool.num_cache_hits_blocks > 0
 
 
 def test_batch_queue_matches(demo_models):
