@@ -4,105 +4,36 @@ frontend process on a free loopback port, driven by the official openai client."
 from __future__ import annotations
 
 import asyncio
-import os
 import re
-import shutil
 import signal
-import socket
-import subprocess
-import sys
-import tempfile
 import time
-from pathlib import Path
 
 import aiohttp
-import msgspec
 import openai
 import pytest
 
+from tests.frontend._stack import Stack
+
 pytest.importorskip("engine.detokenizer", reason="engine/detokenizer.py is not there yet")
 
-REPO = Path(__file__).resolve().parents[2]
 NUM_ENGINES = 2
 MAX_MODEL_LEN = 256
 ENGINE_CONFIG = dict(kv_cache_bytes=16 * 2**20, max_model_len=MAX_MODEL_LEN, max_num_seqs=64,
                      max_num_batched_tokens=1024, num_threads=1)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _stop(proc: subprocess.Popen, timeout_s: float = 15.0) -> int:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout_s)
-    return proc.returncode
-
-
-class Stack:
-    def __init__(self, root: Path) -> None:
-        from engine.demo_model import build_demo_model
-
-        self.model = root / "tiny-moe"
-        build_demo_model(self.model, "tiny-moe")
-        # ipc paths must stay short (sun_path): a fresh short dir, not the pytest tmp path
-        self.runtime = Path(tempfile.mkdtemp(prefix="pl-fe-"))
-        self.port = _free_port()
-        self.base = f"http://127.0.0.1:{self.port}"
-        self.logs = root
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-                   OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
-        self.frontend = subprocess.Popen(
-            [sys.executable, "-m", "frontend.main", "--model", str(self.model), "--http", f"127.0.0.1:{self.port}",
-             "--runtime-dir", str(self.runtime), "--engines", str(NUM_ENGINES), "--drain-timeout-s", "5",
-             "--engine-config-json", msgspec.json.encode(ENGINE_CONFIG).decode()],
-            cwd=REPO, env=env, stdout=open(root / "frontend.log", "wb"), stderr=subprocess.STDOUT)
-        settings = msgspec.json.encode({"handshake_timeout_s": 60.0, "stats_interval_s": 0.2}).decode()
-        self.engines = [subprocess.Popen(
-            [sys.executable, "-m", "engine.proc", "--engine-index", str(i),
-             "--input-addr", f"ipc://{self.runtime / 'fe0-in'}", "--settings-json", settings],
-            cwd=REPO, env=env, stdout=open(root / f"engine{i}.log", "wb"), stderr=subprocess.STDOUT)
-            for i in range(NUM_ENGINES)]
-
-    def log(self) -> str:
-        return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-3000:]}" for p in self.logs.glob("*.log"))
-
-    def wait_ready(self, timeout_s: float = 90.0) -> None:
-        import urllib.request
-
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            for p in [self.frontend, *self.engines]:
-                if p.poll() is not None:
-                    raise RuntimeError(f"pid {p.pid} exited with {p.returncode}\n{self.log()}")
-            try:
-                with urllib.request.urlopen(f"{self.base}/ready", timeout=2) as r:
-                    if r.status == 200 and f'"num_healthy_engines": {NUM_ENGINES}' in r.read().decode():
-                        return
-            except OSError:
-                pass
-            time.sleep(0.2)
-        raise TimeoutError(f"not ready in {timeout_s} s\n{self.log()}")
-
-
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    s = Stack(tmp_path_factory.mktemp("frontend-http"))
+    from engine.demo_model import build_demo_model
+
+    root = tmp_path_factory.mktemp("frontend-http")
+    model = build_demo_model(root / "tiny-moe", "tiny-moe")
+    s = Stack(root, model, NUM_ENGINES, ENGINE_CONFIG)
     try:
         s.wait_ready()
         yield s
     finally:
-        code = _stop(s.frontend)
-        for e in s.engines:
-            _stop(e)
-        shutil.rmtree(s.runtime, ignore_errors=True)
+        code = s.stop()
         assert code == 0, f"frontend exited {code} on SIGTERM\n{s.log()}"
 
 
