@@ -21,8 +21,12 @@ reply's data, raises ``AdminError`` (a subclass per code) for an ``Err``, and
 TCP: ``ControlServer(..., tcp="host:port", curve_secret_key=..., curve_client_keys=...)``
 (keys z85 as made by ``zmq.curve_keypair()``; port 0 picks a free one, see
 ``tcp_endpoint``). CURVE encrypts and authenticates the server; ``curve_client_keys``,
-when given, also restricts clients to those public keys (ZAP), which an admin socket
-should do: the server's public key is not a secret.
+when given (public keys, or a provider with ``callback(domain, key)`` such as
+``daemon.admin_keys.AuthorizedKeys``), also restricts clients to those public keys
+(ZAP), which an admin socket should do: the server's public key is not a secret. A TCP
+client that gets no answer says why, from its socket's monitor events: the daemon
+refused its key (``ControlAuthError``), the CURVE handshake failed (a wrong server
+key), or nothing accepted the connection (``DaemonNotRunningError``).
 """
 
 from __future__ import annotations
@@ -40,7 +44,7 @@ import msgspec
 import zmq
 
 from daemon.envelope import AdminRequest, Err, ErrorCode, Ok, decode_reply, decode_request, encode
-from daemon.errors import (ControlProtocolError, DaemonAlreadyRunningError,
+from daemon.errors import (ControlAuthError, ControlProtocolError, DaemonAlreadyRunningError,
                            DaemonNotRunningError, from_reply, to_reply)
 
 _log = logging.getLogger(__name__)
@@ -161,7 +165,8 @@ class ControlServer:
 
             self._auth = ThreadAuthenticator(self._context)
             self._auth.start()
-            self._auth.configure_curve_callback("*", _KeySet(client_keys))
+            provider = client_keys if hasattr(client_keys, "callback") else _KeySet(client_keys)
+            self._auth.configure_curve_callback("*", provider)
         sock = self._context.socket(zmq.ROUTER)
         try:
             sock.setsockopt(zmq.LINGER, 0)
@@ -303,6 +308,7 @@ class ControlClient:
         payload = encode(request)  # raises TypeError for arguments msgpack cannot carry
         context = zmq.Context.instance()
         sock = context.socket(zmq.DEALER)
+        monitor = None
         try:
             sock.setsockopt(zmq.LINGER, 0)
             if self._server_public_key is not None:
@@ -310,17 +316,24 @@ class ControlClient:
                 sock.curve_serverkey = self._server_public_key
                 sock.curve_publickey = public
                 sock.curve_secretkey = secret
+                monitor = sock.get_monitor_socket()
             sock.connect(self._endpoint)
             sock.send_multipart([b"", payload])
-            reply = self._receive(sock, request.id)
+            reply = self._receive(sock, request.id, monitor)
         finally:
+            if monitor is not None:
+                sock.disable_monitor()
+                monitor.close(linger=0)
             sock.close(linger=0)
         if isinstance(reply, Err):
             raise from_reply(reply)
         return reply.data
 
-    def _receive(self, sock: zmq.Socket, request_id: str) -> Ok | Err:
+    def _receive(self, sock: zmq.Socket, request_id: str,
+                 monitor: zmq.Socket | None = None) -> Ok | Err:
         if not sock.poll(int(self.timeout_s * 1000), zmq.POLLIN):
+            if monitor is not None:
+                self._explain_silence(monitor)
             raise DaemonNotRunningError(
                 f"planaria daemon is not running (no answer on the control socket at "
                 f"{self.where} within {self.timeout_s:g}s)")
@@ -335,3 +348,24 @@ class ControlClient:
         if reply.id not in (request_id, ""):
             raise ControlProtocolError(f"reply {reply.id} does not answer {request_id}")
         return reply
+
+    def _explain_silence(self, monitor: zmq.Socket) -> None:
+        """No reply over TCP+CURVE: raise what the socket's monitor events say happened."""
+        from zmq.utils.monitor import recv_monitor_message
+
+        seen = set()
+        while monitor.poll(0):
+            seen.add(recv_monitor_message(monitor)["event"])
+        if zmq.EVENT_HANDSHAKE_FAILED_AUTH in seen:
+            raise ControlAuthError(
+                f"the daemon at {self.where} refused this client's key (CurveZMQ): its "
+                f"public key (the --client-key pair's NAME.key) is not in the daemon's "
+                f"admin-keys/authorized/ directory")
+        if seen & {zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL, zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL}:
+            raise ControlAuthError(
+                f"CurveZMQ handshake with {self.where} failed: --server-key is not the "
+                f"public key of the daemon listening there (its STATE_DIR/admin-keys/server.key)")
+        if zmq.EVENT_CONNECTED not in seen:
+            raise DaemonNotRunningError(
+                f"planaria daemon is not running at {self.where} (connection not accepted "
+                f"within {self.timeout_s:g}s)")

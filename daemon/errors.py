@@ -74,6 +74,10 @@ class DaemonAlreadyRunningError(DaemonError):
     """Another supervisor holds this runtime directory's control socket."""
 
 
+class ControlAuthError(DaemonError):
+    """The daemon's TCP admin socket refused this client (CurveZMQ keys)."""
+
+
 class ControlProtocolError(DaemonError):
     """A control-socket peer sent something that is not a valid envelope."""
 

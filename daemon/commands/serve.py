@@ -16,6 +16,13 @@ and applies log level, restart policy, hang and stop timeouts, --max-engines liv
 Signals: SIGTERM/SIGINT drain (children get SIGTERM, SIGKILL after --stop-timeout-s; a
 second signal kills at once); SIGHUP reloads. Exit codes: 0 stopped cleanly; 1 failed
 (a child gave up, or another daemon holds the runtime dir); 2 bad configuration.
+
+Remote admin: --admin-tcp HOST:PORT also serves the admin socket on TCP with CurveZMQ.
+The server key pair is made on the first start in --admin-keys-dir (default
+STATE_DIR/admin-keys: server.key is the public half clients need); clients are those
+whose public key is in its authorized/ directory (`planaria keygen NAME` makes a pair;
+at least one is needed to start). Then: `planaria status --connect tcp://HOST:PORT
+--server-key server.key --client-key NAME.key_secret`.
 """
 
 from __future__ import annotations
@@ -40,6 +47,7 @@ def main(args: argparse.Namespace) -> int:
 
     from daemon import config as config_mod
     from daemon import logging as plog
+    from daemon.admin_keys import AdminKeyError
     from daemon.children import PopenSpawner
     from daemon.commands._common import admin_modules
     from daemon.control import ControlServer, ensure_runtime_dir
@@ -65,6 +73,11 @@ def main(args: argparse.Namespace) -> int:
     Path(config.state_dir).mkdir(parents=True, exist_ok=True)
     log_dir(config).mkdir(parents=True, exist_ok=True)
     ensure_runtime_dir(config.runtime_dir)
+    try:
+        tcp = _admin_tcp(config, log)
+    except (AdminKeyError, OSError) as exc:
+        print(f"planaria serve: {exc}", file=sys.stderr)
+        return 2
 
     ctx = zmq.Context()
     reporter = DeathReporter(ctx, frontend_addresses(config)[1])
@@ -80,12 +93,19 @@ def main(args: argparse.Namespace) -> int:
             ctx.term()
             return EXIT_FAILURE
     try:
-        control = ControlServer(config.runtime_dir, command_handler(supervisor, admin_modules()))
-    except DaemonAlreadyRunningError as exc:
-        print(f"planaria serve: {exc}", file=sys.stderr)
+        control = ControlServer(config.runtime_dir, command_handler(supervisor, admin_modules()),
+                                **tcp)
+    except (DaemonAlreadyRunningError, zmq.ZMQError) as exc:
+        print(f"planaria serve: {exc}" if isinstance(exc, DaemonAlreadyRunningError) else
+              f"planaria serve: cannot bind the admin socket --admin-tcp {config.admin_tcp}: {exc}",
+              file=sys.stderr)
+        if ep_parts is not None:
+            _stop_ep(ep_parts)
         reporter.close()
         ctx.term()
         return EXIT_FAILURE
+    if control.tcp_endpoint:
+        log.info("admin socket on TCP (CurveZMQ)", endpoint=control.tcp_endpoint)
     loop = SupervisorLoop(supervisor, control, heartbeat_address(config),
                           reload_config=lambda: config_mod.reload(supervisor.config, cli_flags),
                           watchdog=notifier.watchdog, watchdog_interval_s=interval_s, ctx=ctx)
@@ -114,6 +134,21 @@ def main(args: argparse.Namespace) -> int:
         notifier.close()
     log.info("stopped", exit_code=code)
     return code
+
+
+def _admin_tcp(config, log) -> dict:
+    """ControlServer's TCP arguments for --admin-tcp (none without it). The server key
+    pair is made on first use; at least one authorized client key must exist."""
+    from daemon.admin_keys import authorized_keys, server_keypair
+
+    if not config.admin_tcp:
+        return {}
+    keys_dir = Path(config.admin_keys_dir or Path(config.state_dir) / "admin-keys")
+    _public, secret, public_file = server_keypair(keys_dir)
+    clients = authorized_keys(keys_dir)
+    log.info("admin keys", server_key=str(public_file), authorized=str(clients.directory),
+             num_authorized=len(clients.keys()))
+    return {"tcp": config.admin_tcp, "curve_secret_key": secret, "curve_client_keys": clients}
 
 
 def _start_ep(config, supervisor, log):

@@ -12,7 +12,7 @@ import os
 from typing import Any
 
 from daemon.commands._common import add_daemon_arguments, call
-from daemon.errors import DaemonError
+from daemon.errors import DaemonError, DaemonNotRunningError
 
 NAME = "version"
 HELP = "print the CLI's and the running daemon's version"
@@ -41,8 +41,11 @@ def main(args: argparse.Namespace) -> int:
     print(f"planaria {version()}")
     try:
         data = call(args, NAME)
-    except DaemonError:
+    except DaemonNotRunningError:
         print("daemon: not running")
+        return 0
+    except DaemonError as exc:  # a bad key file, or refused keys: say so
+        print(f"daemon: unknown ({exc})")
         return 0
     print(f"daemon: planaria {data['version']} (pid {data['pid']})")
     return 0

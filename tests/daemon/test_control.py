@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 import stat
 import threading
 
@@ -219,17 +220,27 @@ def test_curve_tcp_call(runtime_dir, server_keys):
         server.close()
 
 
-def test_curve_wrong_server_key_gets_no_answer(runtime_dir, server_keys):
+def test_curve_wrong_server_key_says_so(runtime_dir, server_keys):
     _public, secret = server_keys
     wrong_public, _ = zmq.curve_keypair()
     server = tcp_server(runtime_dir, secret)
     try:
         client = ControlClient(tcp=tcp_address(server), server_public_key=wrong_public,
                                timeout_s=0.5)
-        with pytest.raises(errors.DaemonNotRunningError, match="no answer"):
+        with pytest.raises(errors.ControlAuthError, match="--server-key is not the public key"):
             client.call("echo")
     finally:
         server.close()
+
+
+def test_curve_nothing_listening_is_not_running(server_keys):
+    public, _ = server_keys
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed again: nothing listens there
+    client = ControlClient(tcp=f"127.0.0.1:{port}", server_public_key=public, timeout_s=0.5)
+    with pytest.raises(errors.DaemonNotRunningError, match="connection not accepted"):
+        client.call("echo")
 
 
 def test_curve_client_allow_list(runtime_dir, server_keys):
@@ -243,7 +254,7 @@ def test_curve_client_allow_list(runtime_dir, server_keys):
         assert ok_client.call("echo")["args"] == {}
         stranger_client = ControlClient(tcp=tcp_address(server), server_public_key=public,
                                         client_keypair=stranger, timeout_s=0.5)
-        with pytest.raises(errors.DaemonNotRunningError):
+        with pytest.raises(errors.ControlAuthError, match="refused this client's key"):
             stranger_client.call("echo")
     finally:
         server.close()
