@@ -107,7 +107,8 @@ class LLM:
                 continue
             outputs[rid] = RequestOutput(rid, text, ids)
             if not isinstance(params, SamplingParams):
-                outputs[rid].finish_reason, outputs[rid].error = "error", "sampling_params must be SamplingParams"
+                outputs[rid].finish_reason, outputs[rid].error = (
+                    "error", f"sampling_params must be SamplingParams, got {type(params).__name__}")
                 continue
             engine_params = params
             if self.extra_stop_ids and not params.ignore_eos:

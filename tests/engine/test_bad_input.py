@@ -68,3 +68,15 @@ def test_core_rejects_duplicate_ids_and_keeps_serving(llm):
 def test_sampling_params_validate_raises_typed_error():
     with pytest.raises(InvalidRequestError, match="min_tokens"):
         SamplingParams(min_tokens=5, max_tokens=2).validate()
+
+
+@pytest.mark.parametrize("params, got", [({"max_tokens": 3}, "dict"), (5, "int"), ("greedy", "str")])
+def test_non_sampling_params_is_a_clear_error(llm, params, got):
+    outs = llm.generate(["hello world", "import os"], params)  # one bad value for every prompt
+    for o in outs:
+        assert o.finish_reason == "error" and o.token_ids == []
+        assert o.error == f"sampling_params must be SamplingParams, got {got}"
+    outs = llm.generate(["hello world", "import os"], [GOOD, params])  # only that request fails
+    assert outs[0].finish_reason == "length" and len(outs[0].token_ids) == 4
+    assert outs[1].finish_reason == "error" and "must be SamplingParams" in outs[1].error
+    assert not llm.core.has_unfinished_requests()

@@ -1,5 +1,7 @@
 """Scheduler tables: budgets, chunked prefill, preemption, prefix hits, priorities."""
 
+import pytest
+
 from engine.kv_cache_manager import KVCacheManager
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
@@ -148,3 +150,32 @@ def test_in_flight_requests_are_not_rescheduled():
     assert s.schedule().empty  # a is in flight
     s.update_from_output(first, [1])
     assert not s.schedule().empty
+
+
+@pytest.mark.parametrize("first, later, victim", [
+    # (id, priority, arrival) admitted in step 1, then one more in step 2 (the running tail)
+    ([("lo_a", 5, 0.0), ("lo_b", 5, 1.0)], ("hi", 0, 2.0), "lo_b"),  # lowest priority, not the tail
+    ([("x", 5, 0.0), ("y", 5, 2.0)], ("z", 5, 1.0), "y"),  # equal priority: the latest arrival
+])
+def test_priority_preemption_picks_lowest_priority_latest_arrival(first, later, victim):
+    """3 blocks of 4 tokens: two 3-token prompts and a 2-token one fill the pool; in step 3
+    the first request's next token needs a block, so one of the other two is preempted.
+    FCFS takes the running tail (the last admitted); priority takes the lowest priority
+    (the largest value), and among equals the latest arrival."""
+    for policy in ("priority", "fcfs"):
+        s = sched(num_blocks=3, block_size=4, budget=64, policy=policy)
+        for i, (rid, prio, t) in enumerate(first):
+            s.add_request(req(rid, 3, max_tokens=8, priority=prio, t=t, base=100 * i))
+        run_step(s)
+        rid, prio, t = later
+        s.add_request(req(rid, 2, max_tokens=8, priority=prio, t=t, base=900))
+        run_step(s)
+        assert [r.request_id for r in s.running] == [first[0][0], first[1][0], rid]
+        assert s.kv.pool.num_free_blocks == 0
+        out = run_step(s)
+        if policy == "fcfs":
+            assert out.preempted_req_ids[0] == rid  # the tail, whatever its priority
+            continue
+        assert out.preempted_req_ids == [victim]
+        assert {sr.req.request_id for sr in out.scheduled} == {first[0][0], first[1][0], rid} - {victim}
+        assert s.requests[victim].status == RequestStatus.PREEMPTED
