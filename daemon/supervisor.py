@@ -574,6 +574,7 @@ class Supervisor:
                 rec = ep["engines"].get(ep_engine_id(self.config, e["engine_id"]))
                 e["rank"] = rec["rank"] if rec else None
                 e["epoch"] = rec["epoch"] if rec else None
+                e["ep_state"] = rec["state"] if rec else None
         op = self.scale_op
         return {"status": self.status_line(), "http": self.config.http, "model": self.config.model,
                 "uptime_s": round(now - self.started_at, 3), "shutting_down": self.shutting_down,

@@ -9,7 +9,12 @@ Wire: {"command": "scale", "args": {"action": "to", "engines": 3}} (or "up"/"dow
 "removing": []}. A scale-up engine starts with the smallest kv_cache_bytes of the
 running engines, so it skips memory profiling (its kv_source is "reused"); a
 scale-down drains the departing engines (highest ids first) before they exit. With
---wait the command returns when the operation is done (engines serving / gone).
+--wait the command shows each engine's state as it changes (starting, running with its
+KV figure, stopping, gone; the EP record's state and the EP operation's phase in
+expert-parallel mode) and returns when the operation is done, with a closing line and
+exit 0 when every engine serves (1 if the target was not reached). Without --wait it
+prints what it started; `planaria scale to N --wait` for the same N follows an operation
+already under way.
 
 Errors, each changing nothing: BAD_ARGUMENT (a count below 1 or above the daemon's
 --max-engines), CONFLICT (another scale operation is in progress), UNAVAILABLE
@@ -73,19 +78,102 @@ def _request(args: argparse.Namespace) -> dict[str, Any] | str:
     return {"action": args.action, "by": 1 if args.by is None else args.by}
 
 
+# -- progress display (pure: status replies in, lines out) --------------------------------
+
+_FINAL_PHASES = ("done", "failed", "cancelled")
+
+
+def engine_label(e: dict[str, Any]) -> str:
+    """One engine's state as the progress display shows it: the supervisor's state, the
+    EP record's (loading, serving, ...) when there is one, the KV figure once it serves,
+    and the reason of a backoff or failure."""
+    from daemon.commands.status import _fmt_bytes
+
+    label = e["state"]
+    if e.get("ep_state"):
+        label += f" (ep {e['ep_state']}" + (f", rank {e['rank']}" if e.get("rank") is not None else "") + ")"
+    if e["state"] == "running" and e.get("kv_source"):
+        label += f", kv {e['kv_source']} {_fmt_bytes(e.get('kv_cache_bytes'))}"
+    if e["state"] in ("backoff", "failed") and e.get("reason"):
+        label += f": {e['reason']}"
+    return label
+
+
+def progress_view(status: dict[str, Any]) -> dict[str, str]:
+    """What the display tracks: "engine N" -> its label, and "op" -> the EP op's phase."""
+    view = {f"engine {e['engine_id']}": engine_label(e) for e in status["engines"]}
+    ep_op = (status.get("ep") or {}).get("op")
+    if ep_op:
+        progress = f" ({ep_op['progress']})" if ep_op.get("progress") else ""
+        view["op"] = f"ep op {ep_op['op_id']} to {ep_op['target']}: {ep_op['phase']}{progress}"
+    return view
+
+
+def render_changes(before: dict[str, str] | None, after: dict[str, str]) -> list[str]:
+    """A line per tracked item that appeared or changed, and per engine that went away."""
+    before = before or {}
+    lines = [f"{key}: {label}" if key != "op" else label
+             for key, label in after.items() if before.get(key) != label]
+    lines += [f"{key}: gone" for key in before if key not in after and key != "op"]
+    return lines
+
+
+def finished(status: dict[str, Any], op_id: int) -> bool:
+    """The supervisor's op ``op_id`` is over and no EP op is still under way."""
+    scale = status.get("scale")
+    if scale is not None and scale["op_id"] == op_id:
+        return False
+    ep_op = (status.get("ep") or {}).get("op")
+    return ep_op is None or ep_op["phase"] in _FINAL_PHASES
+
+
+def render_final(status: dict[str, Any], target: int, elapsed_s: float) -> tuple[str, bool]:
+    """The closing line, and whether the operation reached its target."""
+    up, total = status["num_up"], status["num_engines"]
+    ep_op = (status.get("ep") or {}).get("op")
+    if ep_op and ep_op["phase"] in ("failed", "cancelled"):
+        return (f"scale to {target} {ep_op['phase']} after {elapsed_s:.1f}s "
+                f"(ep op {ep_op['op_id']}); {up}/{total} engines up"), False
+    if total == target and up == target:
+        return f"done: {target} engines serving ({elapsed_s:.1f}s)", True
+    bad = [f"engine {e['engine_id']} {engine_label(e)}" for e in status["engines"]
+           if e["state"] != "running"]
+    return (f"scale to {target} ended after {elapsed_s:.1f}s with {up}/{total} engines up"
+            + (f": {'; '.join(bad)}" if bad else "")), False
+
+
+def render_started(data: dict[str, Any]) -> str:
+    """What a scale request started, and how to follow it."""
+    parts = []
+    if data["adding"]:
+        parts.append(f"starting engine{'s' * (len(data['adding']) > 1)} "
+                     f"{', '.join(map(str, data['adding']))}")
+    if data["removing"]:
+        parts.append(f"draining engine{'s' * (len(data['removing']) > 1)} "
+                     f"{', '.join(map(str, data['removing']))}")
+    return (f"scaling {data['engines']} -> {data['target']} engines (op {data['op_id']}): "
+            f"{'; '.join(parts) or 'in progress'}")
+
+
 def _wait(args: argparse.Namespace, op_id: int, target: int) -> int:
-    deadline = time.monotonic() + args.wait_timeout_s
-    while time.monotonic() < deadline:
+    started = time.monotonic()
+    deadline = started + args.wait_timeout_s
+    view = None
+    while True:
         status = call(args, "status")
-        scale = status.get("scale")
-        if scale is None or scale["op_id"] != op_id:
-            states = {e["engine_id"]: e["state"] for e in status["engines"]}
-            print(f"done: {status['num_up']}/{status['num_engines']} engines up "
-                  f"({', '.join(f'{k}={v}' for k, v in states.items())})")
-            return 0 if status["num_engines"] == target else 1
+        new_view = progress_view(status)
+        for line in render_changes(view, new_view):
+            print(f"  {line}", flush=True)
+        view = new_view
+        if finished(status, op_id):
+            line, ok = render_final(status, target, time.monotonic() - started)
+            print(line)
+            return 0 if ok else 1
+        if time.monotonic() >= deadline:
+            print(f"planaria scale: still in progress after {args.wait_timeout_s:g}s "
+                  f"(follow it with `planaria status`)", file=sys.stderr)
+            return 1
         time.sleep(0.25)
-    print(f"planaria scale: still in progress after {args.wait_timeout_s:g}s", file=sys.stderr)
-    return 1
 
 
 def main(args: argparse.Namespace) -> int:
@@ -96,10 +184,16 @@ def main(args: argparse.Namespace) -> int:
     try:
         data = call(args, NAME, **request)
         if not data["changed"]:
+            scale = call(args, "status").get("scale") if args.wait else None
+            if scale is not None and scale["target"] == data["target"]:
+                print(f"following scale op {scale['op_id']} to {scale['target']} engines")
+                return _wait(args, scale["op_id"], scale["target"])
             print(f"already {data['engines']} engines")
             return 0
-        print(f"scaling {data['engines']} -> {data['target']} engines (op {data['op_id']}; "
-              f"adding {data['adding']}, removing {data['removing']})")
-        return _wait(args, data["op_id"], data["target"]) if args.wait else 0
+        print(render_started(data))
+        if not args.wait:
+            print(f"follow it with `planaria scale to {data['target']} --wait` or `planaria status`")
+            return 0
+        return _wait(args, data["op_id"], data["target"])
     except Exception as exc:  # noqa: BLE001 - fail() re-raises what it does not know
         return fail(NAME, exc)
