@@ -537,9 +537,9 @@ def run_engine_core(engine_index: int, input_addresses: list[str], config: Engin
 
 
 def _setup_logging(engine_index: int, level: str) -> None:
-    logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO),
-                        format=f"%(asctime)s %(levelname)s engine{engine_index}[%(process)d] "
-                               "%(name)s: %(message)s")
+    from daemon.logging import configure_child  # the daemon's format: JSON lines in its log files
+
+    configure_child(getattr(logging, level.upper(), logging.INFO), engine_id=engine_index)
 
 
 def _json_arg(text: str | None) -> Any:

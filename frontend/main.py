@@ -130,8 +130,10 @@ async def serve(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from daemon.logging import configure_child  # the daemon's format: JSON lines in its log files
+
+    configure_child(getattr(logging, args.log_level.upper(), logging.INFO), child="frontend",
+                    client_index=args.client_index)
     try:
         return asyncio.run(serve(args))
     except KeyboardInterrupt:
