@@ -1,7 +1,10 @@
 """Logging setup: structlog in front, stdlib logging routed through the same renderer.
 
 ``configure()`` once at process start (the supervisor, and each child it spawns); then
-``get_logger(engine_id=3, rank=1)`` anywhere. Lines are JSON (one object per line) when
+``get_logger(engine_id=3, rank=1)`` anywhere. A child process calls
+``configure_child(level, engine_id=3)`` instead: its pid and the given fields go on every
+line it writes, from any thread and from stdlib loggers too; ``bind_process(rank=2)``
+adds or changes such a field later (an EP rank that joins a new epoch). Lines are JSON (one object per line) when
 the stream is not a terminal or when systemd runs us (``$JOURNAL_STREAM`` or
 ``$INVOCATION_ID`` set), and a readable console rendering on a terminal.
 ``$PLANARIA_LOG_FORMAT=json|console`` overrides the choice, ``$PLANARIA_LOG_LEVEL`` the
@@ -40,8 +43,27 @@ def wants_json(stream: IO[str] | None = None, environ: Mapping[str, str] | None 
     return not (isatty is not None and isatty())
 
 
+_process_fields: dict[str, Any] = {}  # bound to every line of this process
+
+
+def bind_process(**fields: Any) -> None:
+    """Bind ``fields`` to every later line of this process (None removes a field)."""
+    for key, value in fields.items():
+        if value is None:
+            _process_fields.pop(key, None)
+        else:
+            _process_fields[key] = value
+
+
+def _add_process_fields(logger: Any, method: str, event_dict: dict[str, Any]) -> dict[str, Any]:
+    for key, value in _process_fields.items():
+        event_dict.setdefault(key, value)  # a field given on the call itself wins
+    return event_dict
+
+
 def _shared_processors() -> list[Any]:
     return [
+        _add_process_fields,
         structlog.contextvars.merge_contextvars,
         structlog.stdlib.add_log_level,
         structlog.stdlib.add_logger_name,
@@ -101,6 +123,16 @@ def configure(*, json: bool | None = None, level: int | str | None = None,
         old.close()
     root.addHandler(handler)
     root.setLevel(level)
+
+
+def configure_child(level: int | str | None = None, **fields: Any) -> None:
+    """Logging for a child process of the supervisor (engine core, frontend): the same
+    format choice as ``configure`` (JSON under systemd, when asked, or when the output is
+    not a terminal, as in the supervisor's log files), with ``pid`` and ``fields`` (e.g.
+    ``engine_id``) on every line."""
+    _process_fields.clear()
+    bind_process(pid=os.getpid(), **fields)
+    configure(level=level)
 
 
 def get_logger(name: str | None = None, **bind: Any) -> structlog.stdlib.BoundLogger:

@@ -107,3 +107,41 @@ class _Tty(io.StringIO):
 ])
 def test_wants_json(stream, env, expected):
     assert plog.wants_json(stream, env) is expected
+
+
+def test_process_fields_are_on_every_line_from_any_thread(restore_root_logging):
+    import threading
+
+    stream = io.StringIO()
+    try:
+        plog.bind_process(engine_id=4, pid=999)
+        plog.configure(json=True, stream=stream, environ={})
+        logging.getLogger("engine.proc").info("engine %d ready", 4)
+        t = threading.Thread(target=lambda: logging.getLogger("engine.proc_io").warning("io"))
+        t.start()
+        t.join()
+        plog.get_logger("planaria.x").info("bound here", pid=1)  # the call's own field wins
+        plog.bind_process(rank=2)
+        plog.get_logger().info("joined")
+        plog.bind_process(rank=None)
+        plog.get_logger().info("left")
+    finally:
+        plog._process_fields.clear()
+    ready, io_line, bound, joined, left = lines_of(stream)
+    assert (ready["event"], ready["engine_id"], ready["pid"]) == ("engine 4 ready", 4, 999)
+    assert (io_line["engine_id"], io_line["pid"]) == (4, 999)
+    assert bound["pid"] == 1 and bound["engine_id"] == 4
+    assert joined["rank"] == 2 and "rank" not in left
+
+
+def test_configure_child_binds_the_real_pid(restore_root_logging, monkeypatch, capsys):
+    import os
+
+    monkeypatch.setenv("PLANARIA_LOG_FORMAT", "json")
+    try:
+        plog.configure_child("INFO", engine_id=0)
+        logging.getLogger("frontend").info("hello")
+    finally:
+        plog._process_fields.clear()
+    (record,) = [json.loads(line) for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert (record["engine_id"], record["pid"], record["event"]) == (0, os.getpid(), "hello")
