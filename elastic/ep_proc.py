@@ -235,6 +235,9 @@ class EPEngineCoreProc(EngineCoreProc):
             self._set_state(EngineState.RUNNING, f"re-formed at epoch {spec.epoch}")
         log.info("engine %s: rank %d of %d in epoch %d (%.3f s)", self.engine_id, spec.rank, spec.world_size,
                  spec.epoch, self.timings["switch_s"])
+        from daemon.logging import bind_process  # every later log line names the rank
+
+        bind_process(rank=spec.rank, epoch=spec.epoch)
         self._record(ClusterState.SERVING)
 
     def _lost_peer(self, exc: BaseException) -> None:
