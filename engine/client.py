@@ -391,7 +391,8 @@ class EngineClient:
                       f"does not match this frontend's {expected} / {PROTOCOL_VERSION}")
             log.error("refusing engine: %s", reason)
             self._set_state(info, "refused", reason)
-            self._reply(identity, MsgType.SHUTDOWN, Shutdown(drain_timeout_s=0.0))
+            # the engine logs the reason and exits with EXIT_CONFIG_MISMATCH
+            self._reply(identity, MsgType.HANDSHAKE_REJECT, HandshakeReject(reason=reason))
             return
         info.pid = ready.pid or info.pid
         info.num_kv_blocks, info.max_model_len = ready.num_kv_blocks, ready.max_model_len

@@ -47,6 +47,11 @@ class EngineHandshakeError(EngineError):
     """An engine and a frontend do not agree (protocol version, config hash) or never met."""
 
 
+class ConfigMismatchError(EngineHandshakeError):
+    """An engine and a frontend disagree on the protocol version or the config hash, so one
+    refused the other: a configuration error that restarting the same engine cannot fix."""
+
+
 class NoEngineAvailableError(EngineError):
     """No healthy engine can take a request right now."""
 

@@ -10,7 +10,10 @@ change). The one exception: the input thread also puts ABORTs on the core's abor
 update, so an abort that arrives mid-forward gets no token from that step. Faults: a ``RequestExecutionError`` fails those requests and the loop goes on; any
 other exception makes the engine UNHEALTHY and, unless a "reset"/"resume" utility call
 comes within ``recovery_timeout_s``, it dies: ENGINE_CORE_DEAD to every frontend, sockets
-lingered, exit code 1. A coordinator SUB socket (DP wave / stats fan-in) is not wired yet;
+lingered, exit code 1 (EXIT_DEAD). A frontend that finds a config hash unlike its own in
+READY answers HANDSHAKE_REJECT with the reason; the engine logs it and exits with
+EXIT_CONFIG_MISMATCH (4), a configuration error rather than a crash (see the EXIT_*
+constants for every exit code). A coordinator SUB socket (DP wave / stats fan-in) is not wired yet;
 it would be one more socket in the input thread, feeding the same queue.
 
 Launch: ``python -m engine.proc --engine-index 0 --input-addr ipc://... --config-json '{...}'``
@@ -37,7 +40,7 @@ import zmq
 
 from engine import envs
 from engine.config import EngineConfig
-from engine.errors import EngineHandshakeError, RequestExecutionError
+from engine.errors import ConfigMismatchError, EngineHandshakeError, RequestExecutionError
 from engine.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
 from engine.proc_io import FrontendLink, InputThread, OutputThread, handshake, send_all
 from engine.wire import (DEFAULT_MAX_MESSAGE_BYTES, PROTOCOL_VERSION, EngineDead, EngineStatus,
@@ -46,7 +49,15 @@ from engine.wire import (DEFAULT_MAX_MESSAGE_BYTES, PROTOCOL_VERSION, EngineDead
 log = logging.getLogger(__name__)
 
 FAULT_INJECTION_ENV = envs.FAULT_INJECTION
-EXIT_OK, EXIT_DEAD, EXIT_USAGE, EXIT_HANDSHAKE = 0, 1, 2, 3
+# Exit codes of an engine-core process (a supervisor reads them):
+EXIT_OK = 0  # stopped: drained, aborted on request, or a signal during the handshake
+EXIT_DEAD = 1  # fatal fault or failed start (ENGINE_CORE_DEAD was sent): a crash, restart it
+EXIT_USAGE = 2  # bad command-line arguments or config
+EXIT_HANDSHAKE = 3  # no frontend completed the handshake in time (or gave no output address)
+# A frontend refused this engine (HANDSHAKE_REJECT: config hash or protocol version), or
+# the engine refused a frontend's protocol version. A configuration error, not a crash:
+# the same engine with the same settings is refused again, so do not restart it as is.
+EXIT_CONFIG_MISMATCH = 4
 
 
 class EngineState(str, enum.Enum):
@@ -56,6 +67,7 @@ class EngineState(str, enum.Enum):
     RUNNING|PAUSED -> DRAINING (SIGTERM / SHUTDOWN) -> STOPPED (drained, exit 0);
     DRAINING -> STOPPED (second signal, SHUTDOWN with 0, or drain timeout: work aborted);
     any -> UNHEALTHY (engine-level fault) -> RUNNING ("reset"/"resume") | DEAD (exit 1).
+    any -> STOPPED (a frontend sent HANDSHAKE_REJECT after READY: exit EXIT_CONFIG_MISMATCH).
     """
 
     STARTING = "starting"
@@ -130,7 +142,7 @@ class EngineCoreProc:
                 if self._num_signals:
                     return EXIT_OK
                 log.error("engine %d: handshake failed: %s", self.engine_index, exc)
-                return EXIT_HANDSHAKE
+                return EXIT_CONFIG_MISMATCH if isinstance(exc, ConfigMismatchError) else EXIT_HANDSHAKE
             output_thread = OutputThread(self.engine_index, ctx, self._links, self.output_queue,
                                          self.settings.linger_ms, self.settings.send_timeout_ms)
             output_thread.start()
@@ -293,6 +305,8 @@ class EngineCoreProc:
         elif msg_type == MsgType.SHUTDOWN:
             timeout_s = msg.drain_timeout_s
             self._begin_shutdown(self.settings.drain_timeout_s if timeout_s is None else timeout_s)
+        elif msg_type == MsgType.HANDSHAKE_REJECT:
+            self._refused(slot, msg.reason)
         elif msg_type == MsgType.WAKEUP:
             while self._handled_signals < self._num_signals:
                 self._handled_signals += 1
@@ -430,6 +444,15 @@ class EngineCoreProc:
                         requests_dropped=dropped)
         log.info("engine %d stopped (%s)", self.engine_index, "aborted" if aborted else "drained")
         raise _Exit(EXIT_OK)
+
+    def _refused(self, slot: int, reason: str) -> NoReturn:
+        """A frontend refused this engine after READY (config hash mismatch): stop with
+        EXIT_CONFIG_MISMATCH; the other frontends learn it from the STOPPED status."""
+        log.error("engine %d: frontend %d refused this engine: %s", self.engine_index, slot, reason)
+        dropped = self._drop_all_requests()
+        self._set_state(EngineState.STOPPED, f"refused by frontend {slot}: {reason}",
+                        requests_dropped=dropped)
+        raise _Exit(EXIT_CONFIG_MISMATCH)
 
     def _die(self, reason: str) -> NoReturn:
         self.state = EngineState.DEAD

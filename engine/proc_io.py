@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 import zmq
 
-from engine.errors import EngineHandshakeError, WireFormatError
+from engine.errors import ConfigMismatchError, EngineHandshakeError, WireFormatError
 from engine.messages import EngineCoreOutput, EngineCoreOutputs
 from engine.wire import (ENGINE_INPUT_TYPES, PROTOCOL_VERSION, HandshakeInit, Hello, MsgType,
                          UtilityResult, WireDecoder, WireEncoder, WireError, engine_identity,
@@ -46,7 +46,8 @@ def handshake(ctx: zmq.Context, engine_index: int, input_addresses: list[str],
     """Connect a DEALER per frontend, send HELLO, collect every HANDSHAKE_INIT.
 
     HELLO is re-sent every few seconds (a frontend that restarts before answering loses
-    it). Raises EngineHandshakeError on a reject, a protocol mismatch or the timeout.
+    it). Raises ConfigMismatchError on a reject or a protocol mismatch, and
+    EngineHandshakeError at the timeout.
     """
     enc, dec = WireEncoder(reuse_buffer=False), WireDecoder(ENGINE_INPUT_TYPES)
     hello = enc.encode(MsgType.HELLO, Hello(engine_index=engine_index, pid=os.getpid(),
@@ -86,13 +87,13 @@ def handshake(ctx: zmq.Context, engine_index: int, input_addresses: list[str],
                 log.warning("handshake: ignoring a bad message from %s: %s", link.input_address, exc)
                 continue
             if msg_type == MsgType.HANDSHAKE_REJECT:
-                raise EngineHandshakeError(f"frontend {link.input_address} refused this engine: "
-                                           f"{msg.reason}")
+                raise ConfigMismatchError(f"frontend {link.input_address} refused this engine: "
+                                          f"{msg.reason}")
             if msg_type != MsgType.HANDSHAKE_INIT:
                 log.warning("handshake: ignoring %r before HANDSHAKE_INIT", msg_type)
                 continue
             if msg.protocol_version != PROTOCOL_VERSION:
-                raise EngineHandshakeError(
+                raise ConfigMismatchError(
                     f"frontend {link.input_address} speaks protocol {msg.protocol_version}, "
                     f"this engine speaks {PROTOCOL_VERSION}")
             link.settings = dict(msg.settings)
@@ -162,8 +163,10 @@ class InputThread(threading.Thread):
         except WireFormatError as exc:
             self._malformed(slot, frames, exc)
             return
-        if msg_type in (MsgType.HANDSHAKE_INIT, MsgType.HANDSHAKE_REJECT):
+        if msg_type == MsgType.HANDSHAKE_INIT:
             return  # a late answer to a re-sent HELLO
+        # HANDSHAKE_REJECT after READY (the frontend checks the config hash there) goes to
+        # the busy loop, which stops the engine with EXIT_CONFIG_MISMATCH.
         if msg_type == MsgType.ABORT and self.on_abort is not None:
             # Both paths, as vLLM v1 does: the eager one reaches a running step, the queued
             # one keeps ABORT ordered after its ADD; aborting twice is a no-op.

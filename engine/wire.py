@@ -18,7 +18,9 @@ Channels (who sends what, on which socket)::
 
 Handshake: the engine connects its DEALER (identity = ``engine_identity(index)``) and sends
 HELLO; the frontend answers HANDSHAKE_INIT (its PULL address and settings) or
-HANDSHAKE_REJECT; the engine loads, connects PUSH, and sends READY on the DEALER.
+HANDSHAKE_REJECT; the engine loads, connects PUSH, and sends READY on the DEALER. A
+frontend that refuses READY (its config hash differs) answers HANDSHAKE_REJECT with the
+reason, and the engine exits with ``engine.proc.EXIT_CONFIG_MISMATCH``.
 No pickle anywhere: unknown types and bad payloads raise ``WireFormatError``.
 """
 

@@ -195,7 +195,8 @@ def test_protocol_and_config_mismatch_refused(tmp_path_factory):
             config_hash="not-abc", kv_cache_bytes=1, kv_source="given", pid=2)))
         assert other.poll(5000)
         t, msg = dec.decode(other.recv_multipart())
-        assert t == MsgType.SHUTDOWN and msg.drain_timeout_s == 0.0  # refused: told to go away
+        assert t == MsgType.HANDSHAKE_REJECT  # refused, and told why
+        assert "config hash not-abc" in msg.reason and "abc" in msg.reason
         assert {e.index: e.state for e in client.engines} == {5: "refused", 6: "refused"}
         with pytest.raises(NoEngineAvailableError):
             lt.run(_collect(client, request("nowhere")))
@@ -287,4 +288,27 @@ def test_engine_death_failover_and_restart(tiny_model, tmp_path_factory):
         lt.run(client.close())
         for p in procs:
             stop_engine(p)
+        lt.close()
+
+
+def test_config_hash_mismatch_stops_a_real_engine_with_a_distinct_code(tiny_model, tmp_path_factory):
+    """READY's config hash differs from the one the client expects: the client answers
+    HANDSHAKE_REJECT with the reason; the engine logs it and exits EXIT_CONFIG_MISMATCH."""
+    from engine.proc import EXIT_CONFIG_MISMATCH
+
+    lt = LoopThread()
+    tmp = tmp_path_factory.mktemp("h")
+    client = EngineClient(num_engines=1, runtime_dir=tmp, expected_config_hash="0123456789abcdef")
+    in_addr, _ = client.bind()
+    proc = spawn_engine(0, in_addr, tmp, engine_config(tiny_model))
+    try:
+        with pytest.raises(EngineHandshakeError, match="config hash"):
+            lt.run(client.start(timeout_s=120), timeout_s=150)
+        assert client.engines[0].state == "refused"
+        assert proc.wait(30) == EXIT_CONFIG_MISMATCH, engine_log(proc)
+        log_text = engine_log(proc)
+        assert "refused this engine" in log_text and "0123456789abcdef" in log_text
+    finally:
+        stop_engine(proc)
+        lt.run(client.close())
         lt.close()

@@ -10,7 +10,7 @@ import msgspec
 import pytest
 
 from engine.messages import EngineCoreRequest
-from engine.proc import EXIT_DEAD, EXIT_HANDSHAKE
+from engine.proc import EXIT_CONFIG_MISMATCH, EXIT_DEAD, EXIT_HANDSHAKE
 from engine.wire import (PROTOCOL_VERSION, AbortRequests, MsgType, Shutdown, UtilityCall,
                          WireEncoder)
 from tests.engine._engine_procs import (RawFrontend, engine_config, engine_log,
@@ -274,11 +274,21 @@ def test_protocol_mismatch_engine_refuses_and_exits(tiny_model, short_tmp):
     proc = spawn_engine(0, fe.input_addr, short_tmp, engine_config(tiny_model))
     try:
         fe.handshake(0, protocol_version=PROTOCOL_VERSION + 98)
-        assert proc.wait(30) == EXIT_HANDSHAKE
+        assert proc.wait(30) == EXIT_CONFIG_MISMATCH
         assert "speaks protocol" in engine_log(proc)
     finally:
         stop_engine(proc)
         fe.close()
+
+
+def test_handshake_timeout_exits_with_its_own_code(short_tmp, tiny_model):
+    proc = spawn_engine(2, f"ipc://{short_tmp / 'nobody'}", short_tmp, engine_config(tiny_model),
+                        settings={"handshake_timeout_s": 1.0})
+    try:
+        assert proc.wait(60) == EXIT_HANDSHAKE
+        assert "no HANDSHAKE_INIT within" in engine_log(proc)
+    finally:
+        stop_engine(proc)
 
 
 def test_sigterm_while_waiting_for_handshake_exits_zero(short_tmp, tiny_model):
