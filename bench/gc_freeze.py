@@ -20,9 +20,9 @@ p99 of every round is listed too, so the noise is visible next to the effect.
 
 A full collection runs only once the long-lived objects grew by a quarter since the last
 one, so with ~330k objects from start-up it is rare: at the defaults (2048 x 32, about
-65k journalled outputs) the no-freeze mode saw one, of ~190 ms on this CPU, and
-freeze mode one of ~30 ms (one run each). Being rare, it moves max and p99.9 more than p99; a run with
-no full collection in the no-freeze mode measures noise only, and says so.
+65k journalled outputs) the no-freeze mode saw one, of ~190 ms on this CPU, and freeze
+mode one of ~30 ms (one run each). Being rare, it moves max and p99.9 more than p99; a
+run with no full collection in the no-freeze mode measures noise only, and says so.
 """
 
 from __future__ import annotations
