@@ -88,7 +88,8 @@ class ProcessLauncher:
 class EPNode:
     def __init__(self, node_id: str, cluster: str, etcd_endpoints: list[str], *, model_dir: str,
                  launcher: Callable[[str, int | None], None] | None, initial_engines: int, rendezvous: str,
-                 block_size: int = 16, lease_ttl_s: int = 3, tick_s: float = 0.2, device_kind: str = "cpu") -> None:
+                 block_size: int = 16, lease_ttl_s: int = 3, tick_s: float = 0.2, device_kind: str = "cpu",
+                 switch_timeout_s: float = 30.0) -> None:
         from engine.models.loader import load_hf_config, model_fingerprint, spec_from_config
 
         self.node_id, self.cluster = node_id, cluster
@@ -100,7 +101,8 @@ class EPNode:
         self.controller = EPController(
             self.membership, self.election, cluster, num_experts=spec.num_experts, rendezvous=rendezvous,
             launch=launcher, model_fingerprint=model_fingerprint(model_dir), device_kind=device_kind,
-            block_size=block_size, initial_engines=initial_engines, engine_prefix=f"{node_id}-e")
+            block_size=block_size, initial_engines=initial_engines, engine_prefix=f"{node_id}-e",
+            switch_timeout_s=switch_timeout_s)
         self.tick_s = tick_s
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="ep-controller", daemon=True)

@@ -10,7 +10,14 @@ Each ``tick`` reads the cluster (epoch, desired, engine records), asks the pure 
   (only the current leader's write can land); engines watch the key and switch at a step
   boundary; departing engines hand their requests to survivors and exit;
 - the op record (`ops/<id>`) follows: LAUNCHING -> SWITCHING -> DONE once every rank
-  of the new epoch reports it serves that epoch.
+  of the new epoch reports it serves that epoch;
+- one switch at a time: no scale-up or scale-down is planned while the current epoch is
+  not yet served by all its ranks (a Reform for a dead rank still is);
+- a switch that fails (a rank reports ``failed_epoch``) or is not served within
+  ``switch_timeout_s`` is aborted (planner.plan_abort): one fenced transaction writes the
+  next epoch at the largest healthy set (the old membership), the op as FAILED with the
+  reason, and ``desired`` back to that size, so serving goes on and a later ``scale`` is
+  free to try again.
 
 The first profiled engines' figures are published to kv_budget here as they appear.
 """
@@ -26,12 +33,12 @@ import structlog
 from elastic.desired import DesiredStore
 from elastic.epochs import EpochStore
 from elastic.errors import ElasticError
-from elastic.keys import EngineState, Epoch, KVBudget, OpPhase
+from elastic.keys import Desired, EngineState, KVBudget, OpPhase, OpRecord, encode
 from elastic.kv_budget import KVBudgetRegistry
-from elastic.planner import NoChange, Reform, ScaleDown, ScaleUp, plan_epoch
+from elastic.planner import (LIVE_STATES, Abort, NoChange, Reform, ScaleDown, ScaleUp, epoch_served,
+                             plan_abort, plan_epoch)
 
 log = structlog.get_logger("planaria.elastic.controller")
-LIVE_STATES = {EngineState.READY, EngineState.SERVING, EngineState.PAUSED}
 
 
 class EPController:
@@ -39,7 +46,7 @@ class EPController:
                  launch: Callable[[str, int | None], None] | None, model_fingerprint: str, device_kind: str,
                  block_size: int, initial_engines: int, engine_prefix: str = "",
                  launch_timeout_s: float = 300.0, first_epoch_grace_s: float = 120.0,
-                 clock: Callable[[], float] = time.time) -> None:
+                 switch_timeout_s: float = 30.0, clock: Callable[[], float] = time.time) -> None:
         client = membership.client
         self.membership, self.election = membership, election
         self.epochs = EpochStore(client, cluster)
@@ -51,6 +58,7 @@ class EPController:
         self.initial_engines = initial_engines
         self.engine_prefix = engine_prefix or f"{membership.node_id}-e"
         self.launch_timeout_s, self.first_epoch_grace_s = launch_timeout_s, first_epoch_grace_s
+        self.switch_timeout_s = switch_timeout_s
         self.clock = clock
         self.started_at = clock()
         self._launched: dict[str, float] = {}  # engine id -> launch time (not yet registered)
@@ -67,7 +75,7 @@ class EPController:
             return "not leader"
         now = self.clock()
         epoch, epoch_rev = self.epochs.read_epoch()
-        desired, _ = self.desired.read_desired()
+        desired, _desired_rev = self.desired.read_desired()
         target = desired.num_engines if desired is not None else self.initial_engines
         op = self.desired.active_op()
         records = {r.engine_id: r for r in self.membership.list_engines()}
@@ -98,8 +106,16 @@ class EPController:
             return f"waiting for engines: {len(live)}/{target} live"
         action = plan_epoch(epoch, target, live, self.num_experts, now, rendezvous=self.rendezvous,
                             leader=self.membership.node_id)
+        if not isinstance(action, Reform):
+            abort = plan_abort(epoch, records, self.num_experts, now, self.switch_timeout_s,
+                               rendezvous=self.rendezvous, leader=self.membership.node_id)
+            if abort is not None:
+                return self._abort(abort, epoch_rev, op, desired, now)
+            if isinstance(action, (ScaleUp, ScaleDown)) and epoch is not None and not epoch_served(epoch, records):
+                self.last_action = f"switching to epoch {epoch.number}"
+                return self.last_action
         if isinstance(action, NoChange):
-            if op is not None and epoch is not None and self._epoch_serving(epoch, records) \
+            if op is not None and epoch is not None and epoch_served(epoch, records) \
                     and epoch.world_size == target:
                 self._op(op, OpPhase.DONE, f"serving epoch {epoch.number} with {epoch.world_size} ranks")
             self.last_action = action.reason
@@ -116,9 +132,32 @@ class EPController:
         self.last_action = f"{kind} -> epoch {action.epoch.number}"
         return self.last_action
 
-    def _epoch_serving(self, epoch: Epoch, records) -> bool:
-        return all(e in records and records[e].epoch == epoch.number and records[e].state == EngineState.SERVING
-                   for e in epoch.ranks)
+    def _abort(self, abort: Abort, epoch_rev: int, op, desired: Desired | None, now: float) -> str:
+        """Abort a failed switch: the next epoch at the healthy set, the op FAILED and
+        ``desired`` back to that size, in one fenced transaction."""
+        layout = self.desired.layout
+        puts = []
+        if op is not None:
+            failed = OpRecord(op_id=op.op_id, kind=op.kind, phase=OpPhase.FAILED, target=op.target,
+                              progress=f"aborted epoch {abort.failed}; re-formed at epoch {abort.epoch.number} "
+                                       f"with {abort.epoch.world_size} rank(s)",
+                              error=abort.reason, updated_at=now)
+            puts.append((layout.op(op.op_id), encode(failed)))
+            if desired is not None and desired.op_id == op.op_id:
+                rolled_back = Desired(num_engines=abort.epoch.world_size, op_id=op.op_id,
+                                      requested_at=desired.requested_at)
+                puts.append((layout.desired, encode(rolled_back)))
+        try:
+            self.epochs.write_epoch(abort.epoch, epoch_rev, self.election.leader_revision or 0, puts)
+        except ElasticError as exc:
+            log.warning("abort epoch write refused", error=str(exc))
+            self.last_action = f"epoch write refused: {exc}"
+            return self.last_action
+        log.warning("switch aborted", failed_epoch=abort.failed, number=abort.epoch.number,
+                    ranks=abort.epoch.ranks, excluded=abort.excluded, reason=abort.reason,
+                    op_id=op.op_id if op is not None else None)
+        self.last_action = f"Abort of epoch {abort.failed} -> epoch {abort.epoch.number}"
+        return self.last_action
 
     def _publish_profiled(self, records, now: float) -> None:
         for eid, r in records.items():

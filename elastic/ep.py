@@ -9,6 +9,13 @@ The process group lives on a TCPStore that outlives epochs (hosted by the superv
 by whoever calls ``host_store``); each epoch gets a fresh group under its own
 ``PrefixStore``, so rebuilding at a new world size costs milliseconds.
 
+Forming a group is two-phase. *Prepare*: each rank sets its arrival key
+(``planaria/arrive/<epoch>/<rank>``) in the store, and nobody builds the group before every
+rank of the epoch has arrived (``all_arrived``), so no rank ever blocks in the group's
+constructor waiting for a rank that is not coming. *Commit*: build the group, with the
+collective timeout as the bound. A rank that never arrives leaves the others free to go on
+serving the old epoch (or to take a newer one) — the leader aborts the switch.
+
 Applied as a transform (``apply_expert_parallel``): the model code only has a hook.
 """
 
@@ -38,6 +45,7 @@ class EPSpec(msgspec.Struct, kw_only=True):
     expert_map: list[int]  # expert -> rank
     timeout_s: float = 30.0
     backend: str = "gloo"  # "nccl" on GPU
+    ranks: list[str] = []  # rank -> engine id ([]: unknown, every rank counts as a joiner)
 
     def expert_range(self, rank: int | None = None) -> tuple[int, int]:
         r = self.rank if rank is None else rank
@@ -61,18 +69,49 @@ def host_store(addr: str, timeout_s: float = 300.0) -> dist.TCPStore:
                          timeout=datetime.timedelta(seconds=timeout_s))
 
 
-class EPGroup:
-    """The process group of one epoch."""
+def connect_store(addr: str, timeout_s: float = 30.0) -> dist.TCPStore:
+    """A client of the rendezvous store (raises CollectiveError when it cannot connect)."""
+    host, port = _split(addr)
+    try:
+        return dist.TCPStore(host, port, is_master=False, wait_for_workers=False,
+                             timeout=datetime.timedelta(seconds=timeout_s))
+    except (RuntimeError, dist.DistError) as exc:
+        raise CollectiveError(f"cannot reach the rendezvous store {addr}: {exc}") from exc
 
-    def __init__(self, spec: EPSpec, bind_host: str | None = None) -> None:
+
+def arrival_key(epoch: int, rank: int) -> str:
+    return f"planaria/arrive/{epoch}/{rank}"
+
+
+def arrive(store, spec: EPSpec) -> None:
+    """Prepare: say this rank is at the switch point of ``spec.epoch``."""
+    try:
+        store.set(arrival_key(spec.epoch, spec.rank), b"1")
+    except (RuntimeError, dist.DistError) as exc:
+        raise CollectiveError(f"epoch {spec.epoch}: cannot arrive: {exc}") from exc
+
+
+def arrived(store, epoch: int, ranks: list[int]) -> bool:
+    """Whether every rank in ``ranks`` has arrived at ``epoch`` (never blocks)."""
+    if not ranks:
+        return True
+    try:
+        return bool(store.check([arrival_key(epoch, r) for r in ranks]))
+    except (RuntimeError, dist.DistError) as exc:
+        raise CollectiveError(f"epoch {epoch}: cannot read arrivals: {exc}") from exc
+
+
+class EPGroup:
+    """The process group of one epoch (commit: every rank has arrived)."""
+
+    def __init__(self, spec: EPSpec, store=None, bind_host: str | None = None) -> None:
         self.spec = spec
         self.rank, self.world_size = spec.rank, spec.world_size
-        host, port = _split(spec.rendezvous)
+        host, _port = _split(spec.rendezvous)
+        self._store = store if store is not None else connect_store(spec.rendezvous, spec.timeout_s)
         try:
-            # Forming waits for every rank (old ranks reach the switch at a step boundary):
-            # a longer store timeout than the collectives' own.
-            self._store = dist.TCPStore(host, port, is_master=False, wait_for_workers=False,
-                                        timeout=datetime.timedelta(seconds=max(60.0, 6 * spec.timeout_s)))
+            # Every rank has arrived: forming is bounded by the collective timeout.
+            self._store.set_timeout(datetime.timedelta(seconds=spec.timeout_s))
             prefix = dist.PrefixStore(f"planaria/epoch{spec.epoch}/", self._store)
             timeout = datetime.timedelta(seconds=spec.timeout_s)
             if spec.backend == "gloo":

@@ -5,14 +5,18 @@ Like ``engine.proc`` (same sockets, handshake, faults, shutdown), plus:
 - the engine registers itself in etcd (``engines/<id>``, on a lease of its own, so a dead
   engine's record expires; its supervisor also deletes it at once when it sees the exit)
   and watches the ``epoch`` key;
-- it starts outside any group and joins the first epoch that names it; a scale-up engine
-  is launched with ``kv_cache_bytes`` (kv_source "reused") and skips profiling;
+- it starts outside any group and joins the first epoch that names it before it tells the
+  frontends READY (so no request waits on a rank outside a group); a scale-up engine is
+  launched with ``kv_cache_bytes`` (kv_source "reused") and skips profiling;
 - every step is a lockstep EP step (elastic/ep_engine.py); a newer epoch is adopted at a
-  step boundary once every rank of the current group has seen it; requests are kept;
+  step boundary once every rank of the current group is ready for it, i.e. every joining
+  rank has arrived (prepare -> commit); requests are kept;
 - a rank not named by the new epoch (scale-down) tells its frontends it is leaving with
   ENGINE_CORE_DEAD (their journals replay its requests on survivors) and exits 0;
-- a collective that fails (a peer died or hung) makes the rank UNHEALTHY, requests kept;
-  the leader's next epoch (without the lost rank) re-forms the group.
+- a collective or a switch that fails (a peer died, hung, or never arrived) makes the rank
+  UNHEALTHY with its requests kept and ``failed_epoch`` in its etcd record; it still takes
+  requests (they queue), and the leader's next epoch (a re-form without the lost rank, or
+  the abort of a failed switch) brings the group back. A failed switch never kills a rank.
 
 Launch: ``python -m elastic.ep_proc --engine-index I --engine-id ID --input-addr ... \
     --config-json ... --etcd-endpoints host:port --cluster NAME``
@@ -23,6 +27,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 import threading
 import time
@@ -32,6 +37,7 @@ import msgspec
 from elastic.ep import CollectiveError, EPSpec
 from elastic.ep_engine import EPRank, make_ep_core
 from elastic.keys import EngineRecord, EngineState as ClusterState, Epoch, KeyLayout, decode
+from engine import envs
 from engine.config import EngineConfig
 from engine.errors import RequestExecutionError
 from engine.proc import (EXIT_OK, EXIT_USAGE, EngineCoreProc, EngineState, ProcSettings, _Exit,
@@ -39,6 +45,7 @@ from engine.proc import (EXIT_OK, EXIT_USAGE, EngineCoreProc, EngineState, ProcS
 
 log = logging.getLogger(__name__)
 IDLE_POLL_S = 0.005  # an idle rank re-syncs this often (start latency of new work)
+EP_FAULT_ENV = "PLANARIA_EP_FAULT"  # chaos tests (with PLANARIA_FAULT_INJECTION=1)
 
 
 class EPEngineCoreProc(EngineCoreProc):
@@ -56,11 +63,19 @@ class EPEngineCoreProc(EngineCoreProc):
         self._latest_epoch: Epoch | None = None
         self._membership = None
         self._watch = None
-        self._reforming = False
+        self._preparing: EPSpec | None = None  # an epoch naming us, arrived, not yet formed
+        self._reforming = False  # lost its group after serving: waits for the next epoch
+        self._reform_deadline: float | None = None
         self._forming = False
         self._seen_epoch = -1  # epochs up to this one are not (re)adopted
+        self._served_epoch = 0
+        self._failed_epoch = 0
+        self._error = ""
         self.timings: dict[str, float] = {}
         self._started_at = time.time()
+        # Chaos tests only: "stop_after_arrive" makes a joining rank SIGSTOP itself once,
+        # right after it arrived at an epoch (a rank that hangs mid-switch).
+        self._fault = os.environ.get(EP_FAULT_ENV, "") if envs.get().fault_injection else ""
 
     # -- etcd --------------------------------------------------------------------------------
     def _start_cluster(self) -> None:
@@ -80,7 +95,9 @@ class EPEngineCoreProc(EngineCoreProc):
                                       "num_kv_blocks": str(core.num_kv_blocks if core else 0)},
                            kv_cache_bytes=core.kv_cache_bytes if core else 0,
                            kv_source=core.kv_source if core else "",
-                           timings={**(core.init_timings if core else {}), **self.timings})
+                           timings={**(core.init_timings if core else {}), **self.timings},
+                           served_epoch=self._served_epoch, failed_epoch=self._failed_epoch,
+                           error=self._error)
         try:
             self._membership.put_engine(rec)
         except Exception as exc:  # etcd down: remembered and re-written when it returns
@@ -104,21 +121,31 @@ class EPEngineCoreProc(EngineCoreProc):
         rank = epoch.ranks.index(self.engine_id) if self.engine_id in epoch.ranks else -1
         backend = "nccl" if self.config.device.startswith("cuda") else "gloo"
         return EPSpec(epoch=epoch.number, rank=rank, world_size=epoch.world_size, rendezvous=epoch.rendezvous,
-                      expert_map=epoch.expert_map, timeout_s=self.collective_timeout_s, backend=backend)
+                      expert_map=epoch.expert_map, timeout_s=self.collective_timeout_s, backend=backend,
+                      ranks=list(epoch.ranks))
+
+    def _in_group(self) -> bool:
+        return self.ep is not None and self.ep.group is not None
 
     def _take_epoch(self) -> EPSpec | None:
+        """The newest epoch not yet taken (None if there is none). Outside a group, an epoch
+        that does not name us is only remembered (and aborts a prepare in progress)."""
         with self._epoch_lock:
             epoch = self._latest_epoch
         if epoch is None:
             return None
-        current = self.ep.spec.epoch if self.ep is not None and self.ep.group is not None else -1
+        current = self.ep.spec.epoch if self._in_group() else -1
         pending = self.ep.pending.epoch if self.ep is not None and self.ep.pending is not None else -1
-        if epoch.number <= max(current, pending, self._seen_epoch):
+        preparing = self._preparing.epoch if self._preparing is not None else -1
+        if epoch.number <= max(current, pending, preparing, self._seen_epoch):
             return None
         spec = self._spec_for(epoch)
-        if spec.rank < 0 and (self.ep is None or self.ep.group is None):
-            # Not in a group and not named: nothing to leave; wait for an epoch that names us.
+        if spec.rank < 0 and not self._in_group():
             self._seen_epoch = epoch.number
+            if self._preparing is not None:
+                log.info("engine %s: epoch %d superseded by %d, which does not name us",
+                         self.engine_id, self._preparing.epoch, epoch.number)
+                self._preparing = None
             return None
         return spec
 
@@ -145,6 +172,56 @@ class EPEngineCoreProc(EngineCoreProc):
         self.ep.spec = msgspec.structs.replace(spec, epoch=-1)  # not in a group yet
         self.timings["load_s"] = time.monotonic() - t0
         self._record(ClusterState.READY)
+        self._join_first_group()
+
+    def _join_first_group(self) -> None:
+        """Wait (loaded, READY in etcd) for an epoch that names us and join it. The frontends
+        hear READY only after this, so no request is routed to a rank outside a group."""
+        while not self._in_group():
+            if self._num_signals:
+                log.info("engine %s: stopped before joining a group", self.engine_id)
+                raise SystemExit(EXIT_OK)
+            self._try_join()
+            if not self._in_group():
+                time.sleep(IDLE_POLL_S)
+
+    # -- prepare -> commit ----------------------------------------------------------------------
+    def _try_join(self) -> None:
+        """One non-blocking step toward a group, for a rank outside one: take the newest
+        epoch naming us and arrive (prepare); once every rank of it arrived, form (commit)."""
+        new = self._take_epoch()
+        if new is not None:
+            self._preparing = new
+            try:
+                self.ep.arrive(new)
+            except CollectiveError as exc:
+                self._preparing = None
+                self._group_failed(new.epoch, exc)
+                return
+            if self._fault == "stop_after_arrive":
+                self._fault = ""
+                log.warning("engine %s: fault injection: SIGSTOP after arriving at epoch %d",
+                            self.engine_id, new.epoch)
+                os.kill(os.getpid(), signal.SIGSTOP)
+        spec = self._preparing
+        if spec is None:
+            return
+        try:
+            ready = self.ep.all_arrived(spec)
+        except CollectiveError as exc:
+            self._preparing = None
+            self._group_failed(spec.epoch, exc)
+            return
+        if ready:
+            self._preparing = None
+            self._adopt(spec)
+
+    def _joiners_arrived(self, spec: EPSpec) -> bool:
+        try:
+            return self.ep.joiners_arrived(spec)
+        except CollectiveError as exc:  # the store is unreachable: the current group goes on
+            log.warning("engine %s: arrivals of epoch %d unknown: %s", self.engine_id, spec.epoch, exc)
+            return False
 
     # -- the lockstep loop ---------------------------------------------------------------------
     def _handle(self, slot, msg_type, msg) -> None:
@@ -162,30 +239,37 @@ class EPEngineCoreProc(EngineCoreProc):
     def _busy_loop(self) -> int:
         try:
             while True:
-                busy = self.core.has_unfinished_requests() and self.ep.group is not None
+                in_group = self._in_group() and not self._reforming
+                busy = in_group and self.core.has_unfinished_requests()
                 self._process_inputs(block_s=0 if busy else IDLE_POLL_S)
-                new = self._take_epoch()
-                if self.ep.group is None or self._reforming:
-                    if new is not None:
-                        self._adopt(new)
-                    elif self._deadline is not None and time.monotonic() >= self._deadline:
-                        self._die(f"no new epoch within {self.settings.recovery_timeout_s} s after: {self._fault_reason}")
+                if self.state == EngineState.DRAINING:
+                    if not self.core.has_unfinished_requests():
+                        self._stop(aborted=False)
+                    if time.monotonic() >= self._deadline:
+                        self._stop(aborted=True)
+                if not in_group:
+                    self._try_join()
+                    if not self._in_group() and self._reform_deadline is not None \
+                            and time.monotonic() >= self._reform_deadline:
+                        self._die(f"no new epoch within {self.settings.recovery_timeout_s or 120.0} s "
+                                  f"after: {self._fault_reason}")
                     continue
+                new = self._take_epoch()
                 if new is not None:
                     self.ep.pending = new
-                if self.state == EngineState.DRAINING and not self.core.has_unfinished_requests():
-                    self._stop(aborted=False)
                 has_work = self.state in (EngineState.RUNNING, EngineState.DRAINING) \
                     and self.core.has_unfinished_requests()
+                pending = self.ep.pending
                 try:
-                    any_work, switch = self.ep.sync(has_work)
+                    ready = pending is not None and self._joiners_arrived(pending)
+                    any_work, switch = self.ep.sync(has_work, ready)
                     if switch:
                         self._adopt(self.ep.pending)
                         continue
                     if any_work:
                         self._ep_step(has_work)
                 except CollectiveError as exc:
-                    self._lost_peer(exc)
+                    self._group_failed(self.ep.spec.epoch, exc)
         except _Exit as exc:
             return exc.code
 
@@ -209,7 +293,7 @@ class EPEngineCoreProc(EngineCoreProc):
         return True
 
     def _adopt(self, spec: EPSpec) -> None:
-        """Join `spec`'s group (re-homing experts), or leave when it does not name us."""
+        """Commit: join `spec`'s group (re-homing experts), or leave when it does not name us."""
         t0 = time.monotonic()
         if spec.rank < 0:
             log.info("engine %s: not in epoch %d: leaving (requests move to survivors)", self.engine_id, spec.epoch)
@@ -220,18 +304,19 @@ class EPEngineCoreProc(EngineCoreProc):
         self._forming = True
         try:
             self.ep.switch(spec)
-        except CollectiveError as exc:
-            self._seen_epoch = max(self._seen_epoch, spec.epoch)
-            self._lost_peer(exc)
+        except Exception as exc:  # noqa: BLE001 - a failed switch never kills the rank
+            self._group_failed(spec.epoch, exc)
             return
         finally:
             self._forming = False
+        self._served_epoch = spec.epoch
         self.timings["switch_s"] = time.monotonic() - t0
         self.timings["serving_at"] = time.time()
         self.timings.update(self.ep.switch_times_s)
         if self._reforming:
             self._reforming = False
-            self._deadline = None
+            self._reform_deadline = None
+            self._fault_reason = ""
             self._set_state(EngineState.RUNNING, f"re-formed at epoch {spec.epoch}")
         log.info("engine %s: rank %d of %d in epoch %d (%.3f s)", self.engine_id, spec.rank, spec.world_size,
                  spec.epoch, self.timings["switch_s"])
@@ -240,26 +325,32 @@ class EPEngineCoreProc(EngineCoreProc):
         bind_process(rank=spec.rank, epoch=spec.epoch)
         self._record(ClusterState.SERVING)
 
-    def _lost_peer(self, exc: BaseException) -> None:
-        log.error("engine %s: collective failed: %s", self.engine_id, exc)
-        self.core.recover_after_fault()
-        # The failed epoch is never formed again: wait for the leader's next one.
-        self._seen_epoch = max(self._seen_epoch, self.ep.spec.epoch)
-        if self.ep.group is not None:
-            self.ep.group.destroy()
-            self.ep.group = None
-        self._reforming = True
-        self._fault_reason = str(exc)
-        timeout = self.settings.recovery_timeout_s or 120.0
-        self._deadline = time.monotonic() + timeout
-        self._set_state(EngineState.UNHEALTHY, f"lost a peer rank; waiting for a new epoch: {exc}")
-        self._record(ClusterState.PAUSED)  # alive, waiting for a re-formed group
+    def _group_failed(self, epoch: int, exc: BaseException) -> None:
+        """A collective, or the switch to ``epoch``, failed (a peer died, hung, or never
+        came). Requests are kept; the rank reports the failed epoch in etcd and waits for
+        the leader's next epoch (a re-form without the lost rank, or an abort)."""
+        log.error("engine %s: group of epoch %d failed: %s", self.engine_id, epoch, exc)
+        if self.core is not None:
+            self.core.recover_after_fault()
+        self._seen_epoch = max(self._seen_epoch, epoch)  # a failed epoch is never formed again
+        self.ep.leave()
+        self._failed_epoch, self._error = epoch, f"{type(exc).__name__}: {exc}"[:400]
+        if self.state != EngineState.STARTING:  # a rank that served: UNHEALTHY until re-formed
+            self._reforming = True
+            self._fault_reason = str(exc)
+            if self._reform_deadline is None:
+                self._reform_deadline = time.monotonic() + (self.settings.recovery_timeout_s or 120.0)
+            if self.state == EngineState.RUNNING:
+                # Not said to the frontends: this rank keeps taking requests (they queue
+                # until the group is back), so they must keep routing to it.
+                self.state = EngineState.UNHEALTHY
+        self._record(ClusterState.UNHEALTHY)
 
     def _heartbeat(self):
         """Waiting for (or forming) a group is not a hang: report no work meanwhile, so
         the supervisor's hang detector only judges ranks that could step."""
         beat = super()._heartbeat()
-        if self.ep is None or self.ep.group is None or self._reforming or self._forming:
+        if not self._in_group() or self._reforming or self._forming:
             beat = msgspec.structs.replace(beat, has_work=False)
         return beat
 

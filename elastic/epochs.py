@@ -14,6 +14,7 @@ cannot both succeed.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from elastic.errors import EpochConflictError, StaleLeaderError
@@ -35,8 +36,9 @@ class EpochStore:
         return decode(self.layout.epoch, value, Epoch), meta.mod_revision
 
     def write_epoch(self, new_epoch: Epoch, expected_mod_revision: int,
-                    leader_create_revision: int) -> int:
-        """Write ``new_epoch``; returns its mod revision.
+                    leader_create_revision: int, extra_puts: Sequence[tuple[str, bytes]] = ()) -> int:
+        """Write ``new_epoch`` (and ``extra_puts``, ``(key, value)`` pairs, in the same
+        transaction: an aborted switch's op record and ``desired``); returns its mod revision.
 
         Raises :class:`StaleLeaderError` if the leader key is gone or belongs to a later
         term, :class:`EpochConflictError` if the epoch changed since it was read (the
@@ -48,7 +50,8 @@ class EpochStore:
             ok, responses = self._client.transaction(
                 compare=[tx.mod(epoch_key) == expected_mod_revision,
                          tx.create(leader_key) == leader_create_revision],
-                success=[tx.put(epoch_key, encode(new_epoch)), tx.get(epoch_key)],
+                success=[tx.put(epoch_key, encode(new_epoch)), tx.get(epoch_key),
+                         *(tx.put(k, v) for k, v in extra_puts)],
                 failure=[tx.get(epoch_key), tx.get(leader_key)])
         if ok:
             return responses[1][0][1].mod_revision

@@ -36,12 +36,16 @@ def free_port() -> int:
 
 class EPDeployment:
     def __init__(self, root: Path, model: str, num_engines: int = 2, cluster: str = "c1",
-                 engine_config: dict | None = None, etcd_endpoints: list[str] | None = None) -> None:
+                 engine_config: dict | None = None, etcd_endpoints: list[str] | None = None,
+                 engine_lease_ttl_s: float = 3.0, collective_timeout_s: float = 10.0,
+                 switch_timeout_s: float = 30.0) -> None:
         self.root = Path(root)
         self.model, self.num_engines, self.cluster = model, num_engines, cluster
         self.engine_config = engine_config or {"max_num_seqs": 16, "max_model_len": 1024}
         self.etcd = None if etcd_endpoints else EmbeddedEtcd(self.root / "etcd")
         self._endpoints = etcd_endpoints
+        self.engine_lease_ttl_s, self.collective_timeout_s = engine_lease_ttl_s, collective_timeout_s
+        self.switch_timeout_s = switch_timeout_s
         self.http_port = free_port()
         self.fe = None
         self.node = None
@@ -70,9 +74,12 @@ class EPDeployment:
         self.input_addr, self.output_addr = ipc_addresses(rt)
         self.launcher = ProcessLauncher(model_dir=self.model, engine_config=self.engine_config,
                                         input_addr=self.input_addr, etcd_endpoints=endpoints,
-                                        cluster=self.cluster, node_id="n0", log_dir=self.root / "engines")
+                                        cluster=self.cluster, node_id="n0", log_dir=self.root / "engines",
+                                        lease_ttl_s=self.engine_lease_ttl_s,
+                                        collective_timeout_s=self.collective_timeout_s)
         self.node = EPNode("n0", self.cluster, endpoints, model_dir=self.model, launcher=self.launcher,
-                           initial_engines=self.num_engines, rendezvous=f"127.0.0.1:{free_port()}").start()
+                           initial_engines=self.num_engines, rendezvous=f"127.0.0.1:{free_port()}",
+                           switch_timeout_s=self.switch_timeout_s).start()
         self._watcher = threading.Thread(target=self._watch, name="ep-watch", daemon=True)
         self._watcher.start()
         self.wait_serving(self.num_engines, timeout_s)
@@ -113,11 +120,26 @@ class EPDeployment:
                 continue
             if ep and ep.number > newer_than and ep.world_size == world_size and all(
                     e in recs and recs[e].epoch == ep.number and recs[e].state == "serving" for e in ep.ranks) \
-                    and self.node.controller.desired.active_op() is None:
+                    and self.node.controller.desired.active_op() is None \
+                    and self.frontend_healthy() >= world_size:
                 return ep, time.time() - t0
             time.sleep(0.1)
         raise TimeoutError(f"no serving epoch of {world_size} ranks within {timeout_s} s; "
                            f"controller: {self.node.controller.last_action}")
+
+    def frontend_healthy(self) -> int:
+        """How many engines the frontend routes to (READY comes once a rank is in a group)."""
+        import json
+        import urllib.error
+        import urllib.request
+
+        try:
+            with urllib.request.urlopen(f"{self.base_url}/ready", timeout=2) as r:
+                return int(json.loads(r.read())["num_healthy_engines"])
+        except urllib.error.HTTPError as exc:
+            return int(json.loads(exc.read()).get("num_healthy_engines", 0))
+        except (OSError, ValueError):
+            return 0
 
     def scale(self, target: int) -> str:
         return self.node.request_scale(target)

@@ -32,6 +32,8 @@ class EngineState(str, Enum):
 
     STARTING -> LOADING -> PROFILING -> READY -> SERVING
     SERVING -> PAUSED (step boundary of a group switch) -> SERVING
+    SERVING|READY -> UNHEALTHY (a collective or a group switch failed: requests kept,
+        ``failed_epoch`` says which epoch; waits for the leader's next epoch) -> SERVING
     SERVING -> DRAINING (scale-down: requests moved to survivors) -> STOPPED
     any -> FAILED (crashed, hung, or lost mid-collective)
     """
@@ -42,6 +44,7 @@ class EngineState(str, Enum):
     READY = "ready"
     SERVING = "serving"
     PAUSED = "paused"
+    UNHEALTHY = "unhealthy"
     DRAINING = "draining"
     STOPPED = "stopped"
     FAILED = "failed"
@@ -86,6 +89,9 @@ class EngineRecord(msgspec.Struct, kw_only=True):
     kv_cache_bytes: int = 0
     kv_source: str = ""             # "profiled" | "reused" | "given" | "" (not yet known)
     timings: dict[str, float] = {}  # start-up and switch phases, seconds (bench/ reads them)
+    served_epoch: int = 0           # the last epoch this engine served in (0: never)
+    failed_epoch: int = 0           # the last epoch whose group it failed to form or run
+    error: str = ""                 # why, for failed_epoch
 
 
 class Epoch(msgspec.Struct, kw_only=True):

@@ -19,13 +19,21 @@ Rules, in order:
 
 Existing ranks never move in 3 and 4, so the only experts that change hands are those
 re-homed by the new expert map (see :func:`moves`).
+
+``plan_abort`` judges a switch in progress: the current epoch is not served by all its
+ranks yet, and some rank reported that it failed to form or run it (``failed_epoch``), or
+it has been ``switch_timeout_s`` since the leader wrote it. Then the switch is aborted:
+**Abort** to the largest healthy set — the ranks of the epoch that are live and either
+served before (the old membership, still serving or waiting) or reported the failure
+(alive and answering). A rank that never served and said nothing (a joiner that never
+arrived, or hung) is left out.
 """
 
 from __future__ import annotations
 
 import msgspec
 
-from elastic.keys import Epoch
+from elastic.keys import EngineRecord, EngineState, Epoch
 
 
 class NoChange(msgspec.Struct, frozen=True):
@@ -47,7 +55,16 @@ class Reform(msgspec.Struct, frozen=True):
     dead: list[str]
 
 
-PlanAction = NoChange | ScaleUp | ScaleDown | Reform
+class Abort(msgspec.Struct, frozen=True):
+    epoch: Epoch
+    failed: int            # the number of the epoch whose switch is aborted
+    excluded: list[str]    # its ranks left out (never served and silent, or gone)
+    reason: str
+
+
+PlanAction = NoChange | ScaleUp | ScaleDown | Reform | Abort
+LIVE_STATES = frozenset({EngineState.READY, EngineState.SERVING, EngineState.PAUSED,
+                         EngineState.UNHEALTHY})
 
 
 class ExpertMove(msgspec.Struct, frozen=True):
@@ -95,6 +112,40 @@ def engine_moves(old: Epoch, new: Epoch) -> list[tuple[int, str | None, str]]:
         if src != dst:
             out.append((expert, src if src in survivors else None, dst))
     return out
+
+
+def epoch_served(epoch: Epoch, records: dict[str, EngineRecord]) -> bool:
+    """Every rank of ``epoch`` reports it serves that epoch."""
+    return all(e in records and records[e].epoch == epoch.number and records[e].state == EngineState.SERVING
+               for e in epoch.ranks)
+
+
+def plan_abort(current: Epoch | None, records: dict[str, EngineRecord], num_experts: int, now: float,
+               switch_timeout_s: float, *, rendezvous: str = "", leader: str = "") -> Abort | None:
+    """An Abort of the current epoch's switch when it failed or timed out, else None."""
+    if current is None or not current.ranks or epoch_served(current, records):
+        return None
+    n = current.number
+    reports = {e: records[e].error for e in current.ranks if e in records and records[e].failed_epoch >= n}
+    timed_out = now - current.created_at > switch_timeout_s
+    if not reports and not timed_out:
+        return None
+    healthy = [e for e in current.ranks if e in records and records[e].state in LIVE_STATES
+               and (e in reports or records[e].served_epoch > 0)]
+    if not healthy:
+        return None  # nobody to re-form with: wait for engines (or a Reform when they die)
+    if reports:
+        first = sorted(reports)[0]
+        reason = f"epoch {n}: {len(reports)} rank(s) failed to switch; {first}: {reports[first] or 'no detail'}"
+    else:
+        reason = f"epoch {n}: not served by all its ranks within {switch_timeout_s:g} s"
+    excluded = [e for e in current.ranks if e not in healthy]
+    if excluded:
+        reason += f"; left out: {', '.join(excluded)}"
+    epoch = Epoch(number=n + 1, world_size=len(healthy), ranks=healthy,
+                  expert_map=expert_map(num_experts, len(healthy)), rendezvous=rendezvous, leader=leader,
+                  created_at=now)
+    return Abort(epoch, n, excluded, reason)
 
 
 def plan_epoch(current: Epoch | None, desired: int, live_engines: list[str], num_experts: int,

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from elastic.keys import Epoch
-from elastic.planner import (ExpertMove, NoChange, Reform, ScaleDown, ScaleUp, engine_moves,
-                             expert_map, moves, plan_epoch)
+from elastic.keys import EngineRecord, EngineState, Epoch
+from elastic.planner import (Abort, ExpertMove, NoChange, Reform, ScaleDown, ScaleUp, engine_moves,
+                             expert_map, moves, plan_abort, plan_epoch)
 
 NOW = 1000.0
 
@@ -116,3 +116,59 @@ def test_existing_ranks_keep_their_index_on_scale_up_and_down():
 def test_plan_rejects_negative_desired():
     with pytest.raises(ValueError):
         plan_epoch(None, -1, ["a"], 8, NOW)
+
+
+# -- aborting a failed switch ------------------------------------------------------------------
+S, R, U = EngineState.SERVING, EngineState.READY, EngineState.UNHEALTHY
+
+
+def rec(eid: str, state: EngineState, epoch_no: int = 0, served: int = 0, failed: int = 0,
+        error: str = "") -> EngineRecord:
+    return EngineRecord(engine_id=eid, node_id="n", state=state, epoch=epoch_no, served_epoch=served,
+                        failed_epoch=failed, error=error)
+
+
+def recs(*records: EngineRecord) -> dict[str, EngineRecord]:
+    return {r.engine_id: r for r in records}
+
+
+SWITCH = Epoch(number=5, world_size=3, ranks=["a", "b", "c"], expert_map=expert_map(8, 3), created_at=NOW)
+OLD_SERVING = (rec("a", S, 4, served=4), rec("b", S, 4, served=4))
+
+
+@pytest.mark.parametrize("records, now, expected", [
+    # served by every rank: nothing to judge
+    (recs(rec("a", S, 5, 5), rec("b", S, 5, 5), rec("c", S, 5, 5)), NOW + 99, None),
+    # joiner c not there yet, within the timeout: wait (the old group goes on serving)
+    (recs(*OLD_SERVING, rec("c", R)), NOW + 5, None),
+    # ... past the timeout: back to the old membership, c left out
+    (recs(*OLD_SERVING, rec("c", R)), NOW + 11, (["a", "b"], ["c"], "within 10 s")),
+    # a rank reported the failure: abort at once; reporters and old ranks stay, silent c goes
+    (recs(rec("a", U, served=4, failed=5, error="CollectiveError: timed out"),
+          rec("b", U, served=4, failed=5, error="CollectiveError: timed out"), rec("c", R)),
+     NOW + 1, (["a", "b"], ["c"], "a: CollectiveError: timed out")),
+    # a joiner that reported is alive and answering: it stays (a retry of the same set)
+    (recs(rec("a", U, served=4, failed=5), rec("b", U, served=4, failed=5), rec("c", R, failed=5)),
+     NOW + 1, (["a", "b", "c"], [], "3 rank(s) failed")),
+    # an old failure report (epoch 4) is not about this switch
+    (recs(*OLD_SERVING, rec("c", R, failed=4)), NOW + 1, None),
+    # a rank with no record (gone) is left out
+    (recs(rec("a", U, served=4, failed=5), rec("c", R)), NOW + 1, (["a"], ["b", "c"], "left out: b, c")),
+    # nobody healthy (no rank ever served, none reported): nothing to re-form with
+    (recs(rec("a", R), rec("b", R), rec("c", R)), NOW + 60, None),
+])
+def test_plan_abort(records, now, expected):
+    got = plan_abort(SWITCH, records, 8, now, switch_timeout_s=10.0, rendezvous="h:1", leader="L")
+    if expected is None:
+        assert got is None
+        return
+    ranks, excluded, reason = expected
+    assert isinstance(got, Abort)
+    assert got.failed == 5 and got.epoch.number == 6 and got.epoch.ranks == ranks
+    assert got.epoch.expert_map == expert_map(8, len(ranks)) and got.epoch.world_size == len(ranks)
+    assert (got.epoch.rendezvous, got.epoch.leader, got.epoch.created_at) == ("h:1", "L", now)
+    assert got.excluded == excluded and reason in got.reason
+
+
+def test_plan_abort_no_epoch():
+    assert plan_abort(None, {}, 8, NOW, 10.0) is None
