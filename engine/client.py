@@ -62,6 +62,9 @@ class EngineInfo:
     reason: str = ""
     num_handshakes: int = 0
     died_at_s: float = 0.0  # time.time() when this client learnt of its last death
+    # the engine's time.monotonic() at the fatal fault its last ENGINE_CORE_DEAD reported
+    # (comparable with this process's time.monotonic()); 0.0 when not reported
+    fault_monotonic_s: float = 0.0
     ready_at_s: float = 0.0  # time.time() of its last READY
 
     @property
@@ -298,10 +301,12 @@ class EngineClient:
         """Ask one engine to drain and exit (0: abort its work now)."""
         return self._send(engine_index, MsgType.SHUTDOWN, Shutdown(drain_timeout_s=drain_timeout_s))
 
-    def mark_engine_dead(self, engine_index: int, reason: str, pid: int | None = None) -> None:
+    def mark_engine_dead(self, engine_index: int, reason: str, pid: int | None = None,
+                         fault_monotonic_s: float | None = None) -> None:
         """The supervisor's report (call on the client's event loop): fail the engine's work.
 
         With ``pid``, a report about an older incarnation than the one connected is ignored.
+        ``fault_monotonic_s``: when the engine hit the fault (its own ENGINE_CORE_DEAD).
         """
         info = self._engines.get(engine_index)
         if info is None:
@@ -311,6 +316,8 @@ class EngineClient:
             return
         if info.state != "dead":
             info.died_at_s = time.time()
+        if fault_monotonic_s is not None:
+            info.fault_monotonic_s = fault_monotonic_s
         self._set_state(info, "dead", reason)
         self._fail_engine(engine_index, EngineDeadError, reason)
 
@@ -424,7 +431,7 @@ class EngineClient:
                     else:
                         entry[1].set_exception(UtilityCallError(msg.error or "utility call failed"))
             elif msg_type == MsgType.ENGINE_CORE_DEAD:
-                self.mark_engine_dead(msg.engine_index, msg.reason, msg.pid)
+                self.mark_engine_dead(msg.engine_index, msg.reason, msg.pid, msg.fault_monotonic_s)
             elif msg_type == MsgType.STATUS:
                 self._on_status(msg)
             elif msg_type == MsgType.ERROR:

@@ -340,7 +340,7 @@ class EngineCoreProc:
             self._fail_requests(exc.request_ids, f"request execution failed: {exc}")
             return
         except Exception as exc:
-            self._engine_fault(exc)
+            self._engine_fault(exc, time.monotonic())
             return
         self._publish(outputs)
         if not executed and not outputs:
@@ -409,11 +409,15 @@ class EngineCoreProc:
                 log.exception("abort of %d requests failed", len(ids))
         return bool(ids)
 
-    def _engine_fault(self, exc: BaseException) -> None:
+    def _engine_fault(self, exc: BaseException, fault_monotonic_s: float | None = None) -> None:
+        """``fault_monotonic_s``: time.monotonic() when the fault was caught (default: now)."""
+        if fault_monotonic_s is None:
+            fault_monotonic_s = time.monotonic()
         reason = f"{type(exc).__name__}: {exc}"
-        log.error("engine %d: engine-level fault: %s", self.engine_index, reason, exc_info=exc)
         if self.settings.recovery_timeout_s <= 0:
-            self._die(reason)
+            # ENGINE_CORE_DEAD leaves before the traceback is formatted and logged
+            self._die(reason, fault_monotonic_s, exc)
+        log.error("engine %d: engine-level fault: %s", self.engine_index, reason, exc_info=exc)
         self._fault_reason = reason
         self._deadline = time.monotonic() + self.settings.recovery_timeout_s
         dropped = False if self.settings.keep_requests_on_fault else self._drop_all_requests()
@@ -454,15 +458,19 @@ class EngineCoreProc:
                         requests_dropped=dropped)
         raise _Exit(EXIT_CONFIG_MISMATCH)
 
-    def _die(self, reason: str) -> NoReturn:
+    def _die(self, reason: str, fault_monotonic_s: float | None = None,
+             exc: BaseException | None = None) -> NoReturn:
         self.state = EngineState.DEAD
-        self._send_dead(reason)
+        self._send_dead(reason, fault_monotonic_s)
+        if exc is not None:
+            log.error("engine %d: engine-level fault", self.engine_index, exc_info=exc)
         raise _Exit(EXIT_DEAD)
 
-    def _send_dead(self, reason: str) -> None:
-        log.error("engine %d dead: %s", self.engine_index, reason)
+    def _send_dead(self, reason: str, fault_monotonic_s: float | None = None) -> None:
         self.output_queue.put((None, MsgType.ENGINE_CORE_DEAD, EngineDead(
-            engine_index=self.engine_index, reason=reason, pid=os.getpid())))
+            engine_index=self.engine_index, reason=reason, pid=os.getpid(),
+            fault_monotonic_s=fault_monotonic_s)))
+        log.error("engine %d dead: %s", self.engine_index, reason)
 
     # -- utilities --------------------------------------------------------------------------
     def _utility(self, call: UtilityCall) -> UtilityResult:

@@ -127,6 +127,9 @@ class EngineDead(msgspec.Struct, kw_only=True, omit_defaults=True):
     engine_index: int
     reason: str
     pid: int | None = None  # set when known: a frontend ignores a notice for an older pid
+    # time.monotonic() (CLOCK_MONOTONIC: one clock for every process of a machine) when the
+    # engine's loop caught the fatal fault; None when not known (a supervisor's report)
+    fault_monotonic_s: float | None = None
 
 
 class EngineStatus(msgspec.Struct, kw_only=True, omit_defaults=True):

@@ -312,3 +312,47 @@ def test_config_hash_mismatch_stops_a_real_engine_with_a_distinct_code(tiny_mode
         stop_engine(proc)
         lt.run(client.close())
         lt.close()
+
+
+def test_engine_core_dead_reaches_the_client_within_100ms(tiny_model, tmp_path_factory):
+    """A fatal fault in the engine's busy loop: every in-flight stream raises EngineDeadError
+    within 100 ms of the fault, timed from the engine's own clock reading at the fault
+    (ENGINE_CORE_DEAD carries it; CLOCK_MONOTONIC is one clock for every process here)."""
+    from engine.proc import EXIT_DEAD
+
+    lt = LoopThread()
+    tmp = tmp_path_factory.mktemp("f")
+    client, procs = _start_cluster(lt, tmp, tiny_model, 1)
+    try:
+        async def stream(rid, started):
+            try:
+                async for out in client.generate(request(rid, max_tokens=200, prompt=[50, 51, 52])):
+                    if out.new_token_ids:
+                        started.add(rid)
+                return None
+            except EngineDeadError:
+                return time.monotonic()
+
+        async def fault_with_streams():
+            started = set()
+            tasks = [asyncio.create_task(stream(f"f{i}", started)) for i in range(4)]
+            while len(started) < 4:  # every stream is getting tokens
+                await asyncio.sleep(0.005)
+            t_inject = time.monotonic()
+            await client.call_utility(0, "fault_inject", {"kind": "fatal"})  # the next step raises
+            return t_inject, await asyncio.gather(*tasks)
+
+        t_inject, raised_at = lt.run(fault_with_streams())
+        fault_s = client.engines[0].fault_monotonic_s
+        assert None not in raised_at, raised_at
+        assert t_inject < fault_s < min(raised_at)
+        latency_ms = [(t - fault_s) * 1e3 for t in raised_at]
+        print(f"fault -> EngineDeadError in each of 4 streams: {', '.join(f'{x:.1f}' for x in latency_ms)} ms")
+        assert max(latency_ms) < 100.0
+        assert procs[0].wait(30) == EXIT_DEAD, engine_log(procs[0])
+        assert client.engines[0].state == "dead"
+    finally:
+        lt.run(client.close())
+        for p in procs:
+            stop_engine(p)
+        lt.close()
