@@ -35,7 +35,7 @@ from daemon.config import ServeConfig, live_changes
 from daemon.errors import (BadArgumentError, ConflictError, UnavailableError,
                            UnknownEngineError)
 from daemon.hang_detector import HangDetector
-from daemon.launch import FRONTEND_KEY, Launcher, engine_key
+from daemon.launch import FRONTEND_KEY, Launcher, ep_engine_id, engine_key
 from daemon.logging import get_logger
 from daemon.restart_policy import GiveUp, HoldOff, RestartAt, RestartNow
 
@@ -467,8 +467,12 @@ class Supervisor:
             raise ConflictError(f"scale operation {self.scale_op.op_id} (to "
                                 f"{self.scale_op.target}) is still in progress")
         current = len(self.engines)
-        if target == current:
+        # EP: an aborted switch rolls etcd's desired back while the joiner's slot stays, so
+        # the cluster's desired size, not the slot count, says whether anything changes.
+        ep_desired = self._ep_desired() if self.ep is not None else None
+        if target == current and ep_desired in (None, target):
             return {"engines": current, "target": target, "changed": False, "op_id": None}
+        ep_ranks = self._ep_ranks() if self.ep is not None else None
         if self.ep is not None:
             self._request_ep_scale(target)
         op = ScaleOp(next(self._op_ids), target, adding=[], removing=[])
@@ -484,9 +488,11 @@ class Supervisor:
             for engine_id in sorted(self.engines)[target:]:
                 slot = self.engines[engine_id]
                 op.removing.append(engine_id)
-                if slot.child is not None and self.ep is not None:
+                if slot.child is not None and self.ep is not None and (
+                        ep_ranks is None or ep_engine_id(self.config, engine_id) in ep_ranks):
                     # EP: the rank leaves on its own at the scale-down epoch, after its
-                    # requests moved to survivors; then it exits 0 and is removed.
+                    # requests moved to survivors; then it exits 0 and is removed. (An
+                    # engine in no epoch, e.g. the joiner of an aborted switch, is stopped.)
                     slot.after_exit = "remove"
                 elif slot.child is not None:
                     if slot.state is SlotState.STOPPING:
@@ -503,6 +509,24 @@ class Supervisor:
         self._notify_status()
         return {"engines": current, "target": target, "changed": True, "op_id": op.op_id,
                 "adding": op.adding, "removing": op.removing}
+
+    def _ep_desired(self) -> int | None:
+        """etcd's desired engine count (None: never set, or etcd unreachable)."""
+        try:
+            desired, _ = self.ep.controller.desired.read_desired()
+        except Exception as exc:  # etcd down: _request_ep_scale says so if it matters
+            self.log.warning("desired not read", error=str(exc))
+            return None
+        return desired.num_engines if desired is not None else None
+
+    def _ep_ranks(self) -> set[str] | None:
+        """The engine ids of the current epoch (None when etcd is unreachable)."""
+        try:
+            epoch = self.ep.controller.epochs.read_epoch()[0]
+        except Exception as exc:  # etcd down: every engine is assumed to be a rank
+            self.log.warning("epoch not read", error=str(exc))
+            return None
+        return set(epoch.ranks) if epoch is not None else set()
 
     def _request_ep_scale(self, target: int) -> None:
         from elastic.errors import EtcdError, ScaleConflictError
