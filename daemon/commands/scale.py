@@ -182,12 +182,13 @@ def main(args: argparse.Namespace) -> int:
         print(f"planaria scale: {request}", file=sys.stderr)
         return EXIT_BAD_ARGUMENT
     try:
-        data = call(args, NAME, **request)
-        if not data["changed"]:
-            scale = call(args, "status").get("scale") if args.wait else None
-            if scale is not None and scale["target"] == data["target"]:
+        if args.wait and request["action"] == "to":  # an operation to N under way: follow it
+            scale = call(args, "status").get("scale")
+            if scale is not None and scale["target"] == request["engines"]:
                 print(f"following scale op {scale['op_id']} to {scale['target']} engines")
                 return _wait(args, scale["op_id"], scale["target"])
+        data = call(args, NAME, **request)
+        if not data["changed"]:
             print(f"already {data['engines']} engines")
             return 0
         print(render_started(data))
