@@ -261,7 +261,7 @@ class EngineCoreProc:
                     if not self.core.has_unfinished_requests():
                         self._stop(aborted=False)
                     if now >= self._deadline:
-                        self._stop(aborted=True)
+                        self._stop(aborted=True, cause="drain timeout")
                 if self.state in (EngineState.RUNNING, EngineState.DRAINING) \
                         and self.core.has_unfinished_requests():
                     self._step()
@@ -304,7 +304,8 @@ class EngineCoreProc:
             self.output_queue.put((slot, MsgType.UTILITY_RESULT, self._utility(msg)))
         elif msg_type == MsgType.SHUTDOWN:
             timeout_s = msg.drain_timeout_s
-            self._begin_shutdown(self.settings.drain_timeout_s if timeout_s is None else timeout_s)
+            self._begin_shutdown(self.settings.drain_timeout_s if timeout_s is None else timeout_s,
+                                 "SHUTDOWN message")
         elif msg_type == MsgType.HANDSHAKE_REJECT:
             self._refused(slot, msg.reason)
         elif msg_type == MsgType.WAKEUP:
@@ -313,7 +314,8 @@ class EngineCoreProc:
                 first = self._handled_signals == 1
                 log.info("engine %d: signal %d: %s", self.engine_index, self._handled_signals,
                          "draining" if first else "aborting")
-                self._begin_shutdown(self.settings.drain_timeout_s if first else 0.0)
+                self._begin_shutdown(self.settings.drain_timeout_s if first else 0.0,
+                                     f"signal #{self._handled_signals}")
 
     def _add(self, slot: int, req: EngineCoreRequest) -> None:
         refusal = {EngineState.DRAINING: "engine is draining (shutting down); send it elsewhere",
@@ -433,19 +435,22 @@ class EngineCoreProc:
         self._fault_reason = ""
         self._set_state(EngineState.RUNNING, "reset" if reset else "resumed", requests_dropped=dropped)
 
-    def _begin_shutdown(self, drain_timeout_s: float) -> None:
+    def _begin_shutdown(self, drain_timeout_s: float, cause: str = "shutdown") -> None:
         if drain_timeout_s <= 0 or self.state == EngineState.UNHEALTHY:
-            self._stop(aborted=True)
+            self._stop(aborted=True, cause=cause)
         if self.state != EngineState.DRAINING:
             self._deadline = time.monotonic() + drain_timeout_s
             self._set_state(EngineState.DRAINING, f"draining for up to {drain_timeout_s} s")
         else:
             self._deadline = min(self._deadline, time.monotonic() + drain_timeout_s)
 
-    def _stop(self, aborted: bool) -> NoReturn:
+    def _stop(self, aborted: bool, cause: str = "") -> NoReturn:
+        """Aborted: the in-flight requests are dropped; the STOPPED status says so
+        (requests_dropped) and why, and a frontend fails them with that reason."""
         dropped = self._drop_all_requests() if aborted else False
-        self._set_state(EngineState.STOPPED, "shutdown (work aborted)" if aborted else "shutdown",
-                        requests_dropped=dropped)
+        reason = (f"shutdown ({cause}): in-flight work aborted" if aborted
+                  else "shutdown (drained)")
+        self._set_state(EngineState.STOPPED, reason, requests_dropped=dropped)
         log.info("engine %d stopped (%s)", self.engine_index, "aborted" if aborted else "drained")
         raise _Exit(EXIT_OK)
 

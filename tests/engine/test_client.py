@@ -356,3 +356,51 @@ def test_engine_core_dead_reaches_the_client_within_100ms(tiny_model, tmp_path_f
         for p in procs:
             stop_engine(p)
         lt.close()
+
+
+def test_second_sigterm_during_a_drain_aborts_at_once(tiny_model, tmp_path_factory):
+    """SIGTERM starts a drain (30 s allowed); a second SIGTERM while 12 long requests are
+    still running aborts them: every stream raises EngineDeadError saying why, and the
+    process exits 0 at once instead of finishing the drain."""
+    lt = LoopThread()
+    tmp = tmp_path_factory.mktemp("s")
+    client, procs = _start_cluster(lt, tmp, tiny_model, 1)
+    proc = procs[0]
+    try:
+        async def stream(rid, counts):
+            try:
+                async for out in client.generate(request(rid, max_tokens=240, prompt=[60, 61, 62])):
+                    counts[rid] = counts.get(rid, 0) + len(out.new_token_ids)
+                return "finished", None
+            except EngineDeadError as exc:
+                return "aborted", exc
+
+        async def drain_then_abort():
+            counts: dict[str, int] = {}
+            tasks = [asyncio.create_task(stream(f"d{i}", counts)) for i in range(12)]
+            while len(counts) < 12:
+                await asyncio.sleep(0.005)
+            proc.send_signal(signal.SIGTERM)
+            while client.engines[0].state != "draining":
+                await asyncio.sleep(0.002)
+            t_second = time.monotonic()
+            proc.send_signal(signal.SIGTERM)
+            results = await asyncio.gather(*tasks)
+            return t_second, time.monotonic() - t_second, results, counts
+
+        t_second, errors_s, results, counts = lt.run(drain_then_abort())
+        exit_code = proc.wait(10)
+        exit_s = time.monotonic() - t_second
+        print(f"second SIGTERM -> every stream failed in {errors_s * 1e3:.0f} ms, exit after {exit_s:.2f} s")
+        assert exit_code == 0, engine_log(proc)
+        assert [r[0] for r in results] == ["aborted"] * 12, results
+        assert all(counts[f"d{i}"] < 240 for i in range(12))  # cut short, not drained
+        for _, exc in results:
+            assert exc.engine_index == 0 and "signal #2" in exc.reason and "in-flight work aborted" in exc.reason
+        assert errors_s < 0.5 and exit_s < 1.5
+        assert client.engines[0].state == "stopped"
+    finally:
+        lt.run(client.close())
+        for p in procs:
+            stop_engine(p)
+        lt.close()
