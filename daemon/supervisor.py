@@ -98,6 +98,7 @@ class Slot:
     reason: str = ""                   # last exit or hold-off, for status
     extra_config: dict[str, Any] = field(default_factory=dict)  # e.g. reused kv figure
     heartbeat: Any = None              # the engine's last engine.heartbeat.Heartbeat
+    num_starts: int = 0
 
     @property
     def engine_id(self) -> int | None:
@@ -177,6 +178,10 @@ class Supervisor:
         if slot.key != FRONTEND_KEY and not self._frontend_up():
             slot.state, slot.reason = SlotState.WAITING, "waiting for the frontend"
             return
+        if slot.key != FRONTEND_KEY and self.ep is not None and slot.num_starts > 0:
+            # EP: a restarted rank takes the group's KV figure instead of profiling again.
+            slot.extra_config = self._ep_reused_kv_config(slot) or slot.extra_config
+        slot.num_starts += 1
         spec = (self.launcher.frontend(len(self.engines)) if slot.key == FRONTEND_KEY
                 else self.launcher.engine(slot.engine_id, slot.extra_config))
         slot.child = self.spawner.spawn(spec)
@@ -509,6 +514,16 @@ class Supervisor:
         self._notify_status()
         return {"engines": current, "target": target, "changed": True, "op_id": op.op_id,
                 "adding": op.adding, "removing": op.removing}
+
+    def _ep_reused_kv_config(self, slot: Slot) -> dict[str, Any]:
+        """The smallest KV figure of the other serving engines and of the group's kv_budget
+        (EPNode keeps it fresh from etcd off this thread), as a "reused" engine config."""
+        figures = [s.heartbeat.kv_cache_bytes for s in self.engines.values()
+                   if s is not slot and s.state is SlotState.RUNNING and s.heartbeat is not None
+                   and s.heartbeat.kv_cache_bytes > 0]
+        if getattr(self.ep, "kv_figure", None):
+            figures.append(self.ep.kv_figure)
+        return {"kv_cache_bytes": min(figures), "kv_source": "reused"} if figures else {}
 
     def _ep_desired(self) -> int | None:
         """etcd's desired engine count (None: never set, or etcd unreachable)."""

@@ -104,6 +104,8 @@ class EPNode:
             block_size=block_size, initial_engines=initial_engines, engine_prefix=f"{node_id}-e",
             switch_timeout_s=switch_timeout_s)
         self.tick_s = tick_s
+        self.kv_figure: int | None = None  # the group's KV figure (kv_budget), for restarts
+        self._kv_read_at = 0.0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="ep-controller", daemon=True)
 
@@ -119,11 +121,23 @@ class EPNode:
     def _run(self) -> None:
         while not self._stop.wait(self.tick_s):
             try:
+                self._refresh_kv_figure()
                 self.controller.tick()
             except ElasticError as exc:  # etcd down: membership changes freeze, traffic goes on
                 log.warning("controller tick failed", error=str(exc))
             except Exception:
                 log.exception("controller tick crashed")
+
+    def _refresh_kv_figure(self, every_s: float = 1.0) -> None:
+        """Keep ``kv_figure`` (read by the supervisor's loop without waiting on etcd)."""
+        now = time.monotonic()
+        if now - self._kv_read_at < every_s:
+            return
+        self._kv_read_at = now
+        c = self.controller
+        epoch = c.epochs.read_epoch()[0]
+        budget = c.kv.smallest_for_group(c.fp, c.device_kind, epoch.ranks if epoch is not None else [])
+        self.kv_figure = budget.kv_cache_bytes if budget is not None else None
 
     def request_scale(self, target: int) -> str:
         op_id = f"op-{uuid.uuid4().hex[:8]}"
