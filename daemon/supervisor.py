@@ -561,15 +561,23 @@ class Supervisor:
         try:
             epoch = self.ep.controller.epochs.read_epoch()[0]
             records = {r.engine_id: r for r in self.ep.membership.list_engines()}
-            op = self.ep.controller.desired.active_op()
+            ops = self.ep.controller.desired.list_ops()
         except Exception as exc:  # etcd down: status still answers
             return {"error": f"etcd unreachable: {exc}"}
+        active = [o for o in ops if not o.phase.is_final]
+        done = [o for o in ops if o.phase.is_final]
+        op = min(active, key=lambda o: o.updated_at) if active else None
+        last = max(done, key=lambda o: o.updated_at) if done else None
+
+        def op_view(o):
+            return None if o is None else {"op_id": o.op_id, "phase": o.phase.value, "progress": o.progress,
+                                           "target": o.target, "error": o.error}
         return {"epoch": epoch.number if epoch else None, "world_size": epoch.world_size if epoch else 0,
                 "ranks": epoch.ranks if epoch else [], "leader": self.ep.election.is_leader,
-                "op": None if op is None else {"op_id": op.op_id, "phase": op.phase.value,
-                                               "progress": op.progress, "target": op.target},
+                "op": op_view(op), "last_op": op_view(last),
                 "engines": {e: {"state": r.state.value, "epoch": r.epoch, "rank": r.rank,
-                                "kv_source": r.kv_source, "kv_cache_bytes": r.kv_cache_bytes}
+                                "kv_source": r.kv_source, "kv_cache_bytes": r.kv_cache_bytes,
+                                "failed_epoch": r.failed_epoch, "error": r.error}
                             for e, r in records.items()}}
 
     def _update_scale_op(self) -> None:

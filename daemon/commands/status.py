@@ -7,6 +7,10 @@ Wire: {"command": "status", "args": {}} -> {"status": "...", "engines": [{"engin
 "kv_usage", "kv_cache_bytes", "kv_source", ...}], "frontend": {...}, "scale": ...}.
 kv_source is "profiled" (measured at start), "given" (--engine-config-json
 kv_cache_bytes) or "reused" (a scale-up engine that took the running engines' figure).
+With --parallel ep, "ep" holds the epoch, its ranks, whether this node leads, the active
+scale op ("op") and the last finished one ("last_op", with the error of a failed one),
+and each engine's etcd record; the text view shows them above the table, and each
+engine's epoch and record state in it.
 """
 
 from __future__ import annotations
@@ -51,14 +55,16 @@ def render(data: dict[str, Any]) -> str:
     def dash(v):
         return "-" if v is None else str(v)
 
+    ep = data.get("ep")
     rows = [("ENGINE", "RANK", "STATE", "PID", "UPTIME", "RESTARTS", "RUN/WAIT", "KV USE",
-             "KV CACHE", "KV SOURCE")]
+             "KV CACHE", "KV SOURCE") + (("EPOCH", "EP STATE") if ep else ())]
     for e in data["engines"]:
         load = "-" if e["num_running"] is None else f"{e['num_running']}/{e['num_waiting']}"
         kv_use = "-" if e["kv_usage"] is None else f"{100 * e['kv_usage']:.0f}%"
-        rows.append((str(e["engine_id"]), str(e["rank"]), e["state"], dash(e["pid"]),
+        rows.append((str(e["engine_id"]), dash(e["rank"]), e["state"], dash(e["pid"]),
                      _fmt_s(e["uptime_s"]), str(e["restarts"]), load, kv_use,
-                     _fmt_bytes(e["kv_cache_bytes"]), dash(e["kv_source"])))
+                     _fmt_bytes(e["kv_cache_bytes"]), dash(e["kv_source"]))
+                    + ((dash(e.get("epoch")), dash(e.get("ep_state"))) if ep else ()))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = [data["status"]]
     fe = data["frontend"]
@@ -68,12 +74,38 @@ def render(data: dict[str, Any]) -> str:
         s = data["scale"]
         lines.append(f"scaling to {s['target']} (op {s['op_id']}): adding {s['adding']}, "
                      f"removing {s['removing']}")
+    if ep:
+        lines += ep_lines(ep)
     lines.append("")
     lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
     for e in data["engines"]:
         if e["state"] in ("backoff", "failed", "drained", "waiting") and e["reason"]:
             lines.append(f"engine {e['engine_id']}: {e['reason']}")
     return "\n".join(lines)
+
+
+def ep_lines(ep: dict[str, Any]) -> list[str]:
+    """The expert-parallel summary: epoch and ranks, the active op, the last finished one."""
+    if ep.get("error"):
+        return [f"expert parallel: {ep['error']}"]
+    epoch = "-" if ep.get("epoch") is None else ep["epoch"]
+    ranks = ", ".join(ep.get("ranks") or []) or "none"
+    lines = [f"expert parallel: epoch {epoch}, {ep.get('world_size', 0)} rank(s): {ranks}"
+             + ("; this node leads" if ep.get("leader") else "")]
+
+    def op_line(label: str, op: dict[str, Any]) -> str:
+        line = f"{label} {op['op_id']}: {op['phase']}, to {op['target']} engine(s)"
+        if op.get("progress"):
+            line += f" ({op['progress']})"
+        if op.get("error"):
+            line += f": {op['error']}"
+        return line
+
+    lines.append(op_line("op", ep["op"]) if ep.get("op") else "op: none in progress")
+    last = ep.get("last_op")
+    if last and not ep.get("op"):
+        lines.append(op_line("last op", last))
+    return lines
 
 
 def main(args: argparse.Namespace) -> int:

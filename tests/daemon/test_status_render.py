@@ -1,0 +1,50 @@
+"""`planaria status`'s text view: the expert-parallel epoch, ranks and operations."""
+
+from __future__ import annotations
+
+from daemon.commands import status
+
+
+def engine(engine_id, state="running", **kw):
+    return {"engine_id": engine_id, "rank": engine_id, "state": state, "pid": 100 + engine_id,
+            "uptime_s": 61.0, "restarts": 0, "reason": "", "num_running": 1, "num_waiting": 0,
+            "kv_usage": 0.25, "kv_cache_bytes": 16 << 20, "kv_source": "profiled", **kw}
+
+
+def data(ep=None, *engines):
+    return {"status": "2/2 engines up", "http": "127.0.0.1:8000", "engines": list(engines),
+            "frontend": {"state": "running", "pid": 9, "uptime_s": 62.0, "restarts": 0},
+            "scale": None, "ep": ep}
+
+
+EP = {"epoch": 7, "world_size": 2, "ranks": ["n-e0", "n-e1"], "leader": True, "op": None, "last_op": None,
+      "engines": {}}
+
+
+def test_replica_mode_has_no_ep_lines_or_columns():
+    text = status.render(data(None, engine(0)))
+    assert "expert parallel" not in text and "EPOCH" not in text
+
+
+def test_ep_view_shows_epoch_ranks_and_active_op():
+    op = {"op_id": "op-1", "phase": "switching", "target": 3, "progress": "epoch 8: ScaleUp to 3 ranks",
+          "error": ""}
+    text = status.render(data({**EP, "op": op}, engine(0, epoch=7, ep_state="serving"),
+                              engine(1, epoch=7, ep_state="unhealthy")))
+    lines = text.splitlines()
+    assert "expert parallel: epoch 7, 2 rank(s): n-e0, n-e1; this node leads" in lines
+    assert "op op-1: switching, to 3 engine(s) (epoch 8: ScaleUp to 3 ranks)" in lines
+    header = next(line for line in lines if line.startswith("ENGINE"))
+    assert header.split()[-3:] == ["EPOCH", "EP", "STATE"]
+    assert lines[-1].split()[-2:] == ["7", "unhealthy"]
+
+
+def test_ep_view_shows_a_failed_op_with_its_reason_and_etcd_outage():
+    last = {"op_id": "op-2", "phase": "failed", "target": 3, "progress": "aborted epoch 8",
+            "error": "epoch 8: not served by all its ranks within 30 s"}
+    text = status.render(data({**EP, "last_op": last, "leader": False}, engine(0, epoch=9, ep_state="serving")))
+    assert "op: none in progress" in text
+    assert "last op op-2: failed, to 3 engine(s) (aborted epoch 8): epoch 8: not served" in text
+    assert "this node leads" not in text
+    text = status.render(data({"error": "etcd unreachable: down"}, engine(0)))
+    assert "expert parallel: etcd unreachable: down" in text
