@@ -8,8 +8,10 @@ container's own (/var/lib/planaria, /run/planaria).
 
 from __future__ import annotations
 
+import http.client
 import json
 import socket
+import threading
 import time
 from pathlib import Path
 
@@ -20,7 +22,8 @@ from tests.daemon.nspawn import NspawnSystem, unavailable_reason
 REPO = Path(__file__).resolve().parents[2]
 UNIT = REPO / "systemd" / "planaria.service"
 VENV = REPO / ".venv"
-ENGINE_CONFIG = {"kv_cache_bytes": 16 * 2**20, "max_model_len": 256, "num_threads": 1}
+ENGINE_CONFIG = {"kv_cache_bytes": 16 * 2**20, "max_model_len": 1024, "num_threads": 1}
+DRAIN_MAX_TOKENS = 900  # long enough to be in flight when `systemctl stop` begins
 MODEL_INSIDE = Path("/srv/planaria-test-model")  # PrivateTmp= hides the host's /tmp
 
 pytestmark = [pytest.mark.systemd, pytest.mark.timeout(420)]
@@ -30,6 +33,47 @@ def _python_home() -> Path:
     """The installation the venv's python links to (e.g. /root/.pyenv/versions/3.11.7)."""
     real = (VENV / "bin" / "python").resolve()
     return real.parents[1]
+
+
+class _Stream(threading.Thread):
+    """One streaming completion over plain HTTP; keeps each chunk's arrival time."""
+
+    def __init__(self, port: int, max_tokens: int) -> None:
+        super().__init__(daemon=True)
+        self.port, self.max_tokens = port, max_tokens
+        self.chunk_times: list[float] = []
+        self.finish_reason = None
+        self.usage = None
+        self.done = False
+        self.error: BaseException | None = None
+        self.first_chunk = threading.Event()
+
+    def run(self) -> None:
+        try:
+            conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=120)
+            body = {"model": MODEL_INSIDE.name, "prompt": "the system is stopping", "max_tokens": self.max_tokens,
+                    "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+            conn.request("POST", "/v1/completions", json.dumps(body), {"content-type": "application/json"})
+            resp = conn.getresponse()
+            assert resp.status == 200, resp.read()
+            for raw in resp:
+                line = raw.decode().strip()
+                if not line.startswith("data: "):
+                    continue
+                if line == "data: [DONE]":
+                    self.done = True
+                    break
+                obj = json.loads(line[len("data: "):])
+                self.usage = obj.get("usage") or self.usage
+                for c in obj.get("choices", []):
+                    self.finish_reason = c.get("finish_reason") or self.finish_reason
+                    if c.get("text"):
+                        self.chunk_times.append(time.monotonic())
+                        self.first_chunk.set()
+        except BaseException as exc:  # reported by the test
+            self.error = exc
+        finally:
+            self.first_chunk.set()
 
 
 def test_unit_under_real_systemd(tiny_moe, tmp_path):
@@ -45,7 +89,7 @@ def test_unit_under_real_systemd(tiny_moe, tmp_path):
     unit_dir.mkdir()
     args = (f"--model {MODEL_INSIDE} --engines 1 --http 127.0.0.1:{port} "
             "--engine-config-json @/etc/systemd/system/engine.json "
-            f"--stop-timeout-s 8")
+            f"--stop-timeout-s 20")
     (unit_dir / "engine.json").write_text(json.dumps(ENGINE_CONFIG))
     (unit_dir / "planaria.env").write_text(f"PLANARIA_ARGS='{args}'\nPLANARIA_LOG_LEVEL=INFO\n")
     text = UNIT.read_text()
@@ -55,7 +99,7 @@ def test_unit_under_real_systemd(tiny_moe, tmp_path):
     text = text.replace("EnvironmentFile=-/etc/planaria/planaria.env",
                         "EnvironmentFile=/etc/systemd/system/planaria.env")
     text = text.replace("WatchdogSec=30", "WatchdogSec=4").replace("RestartSec=2", "RestartSec=1")
-    text = text.replace("TimeoutStopSec=60", "TimeoutStopSec=15\nTimeoutAbortSec=3")
+    text = text.replace("TimeoutStopSec=60", "TimeoutStopSec=40\nTimeoutAbortSec=3")
     text = text.replace("\n[Service]\n", "\n[Service]\nEnvironment=OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1\n")
     assert f"ExecStart={VENV}/bin/planaria serve" in text
     (unit_dir / "planaria.service").write_text(text)
@@ -117,12 +161,23 @@ def test_unit_under_real_systemd(tiny_moe, tmp_path):
         assert props["MainPID"] != stopped_pid
         assert "watchdog" in system.journal("planaria.service", 400).lower()
 
-        # stop: STOPPING=1, children drained, the supervisor exits 0
+        # stop: STOPPING=1, children drained (a stream in flight runs to its end), exit 0
+        stream = _Stream(port, DRAIN_MAX_TOKENS)
+        stream.start()
+        assert stream.first_chunk.wait(60) and stream.error is None, stream.error
         t0 = time.monotonic()
         result = system.systemctl("stop", "planaria.service", timeout_s=60)
         assert result.returncode == 0
+        stopped_s = time.monotonic() - t0
+        stream.join(30)
         props = show("ActiveState", "Result", "ExecMainStatus", "ExecMainCode")
-        print(f"stopped in {time.monotonic() - t0:.1f}s: {props}")
+        print(f"stopped in {stopped_s:.1f}s: {props}; the stream in flight got "
+              f"{len(stream.chunk_times)} chunks, {sum(t > t0 for t in stream.chunk_times)} "
+              f"of them after the stop began")
+        assert stream.error is None, stream.error
+        assert stream.done and stream.finish_reason == "length", (stream.finish_reason, stream.done)
+        assert stream.usage and stream.usage["completion_tokens"] == DRAIN_MAX_TOKENS, stream.usage
+        assert stream.chunk_times[0] < t0 < stream.chunk_times[-1]  # in flight across the stop
         assert (props["ActiveState"], props["Result"], props["ExecMainStatus"]) == (
             "inactive", "success", "0"), system.journal("planaria.service", 80)
         journal = system.journal("planaria.service", 400)
