@@ -105,3 +105,23 @@ def test_reused_buffer_survives_live_references():
     enc = WireEncoder()
     kept = [enc.encode(MsgType.ABORT, AbortRequests(request_ids=["x" * n])) for n in (1, 500, 2)]
     assert len(kept) == 3  # no BufferError while earlier frames are still referenced
+
+
+def test_aux_frames_decode_from_zmq_buffers_to_python_numbers():
+    """Frames as the sockets hand them over (memoryviews of zmq buffers, recv copy=False):
+    aux arrays are read in place and come out as lists of Python ints and floats."""
+    enc = WireEncoder(aux_min_items=100)
+    add = enc.encode(MsgType.ADD, _req(3000))
+    views = [memoryview(bytes(f)) for f in add]
+    _, obj = WireDecoder(ENGINE_INPUT_TYPES).decode(views)
+    assert obj.prompt_token_ids == list(range(3000)) and type(obj.prompt_token_ids[7]) is int
+    outs = EngineCoreOutputs(engine_index=0, outputs=[EngineCoreOutput(
+        request_id="r", new_token_ids=[1], new_logprobs=[Logprobs([5, 6], [-0.5, -1.75], 1)] * 60)])
+    frames = [memoryview(bytes(f)) for f in enc.encode(MsgType.OUTPUTS, outs)]
+    assert len(frames) == 5
+    got = WireDecoder(FRONTEND_INPUT_TYPES).decode(frames)[1].outputs[0].new_logprobs
+    assert got == outs.outputs[0].new_logprobs
+    assert type(got[0].token_ids[0]) is int and type(got[0].logprobs[0]) is float
+    bad = list(add[:2]) + [bytes(add[2])[:-2]]  # not a whole number of int32s
+    with pytest.raises(WireFormatError):
+        WireDecoder(ENGINE_INPUT_TYPES).decode(bad)
