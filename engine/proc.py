@@ -448,7 +448,7 @@ class EngineCoreProc:
         """Aborted: the in-flight requests are dropped; the STOPPED status says so
         (requests_dropped) and why, and a frontend fails them with that reason."""
         dropped = self._drop_all_requests() if aborted else False
-        reason = (f"shutdown ({cause}): in-flight work aborted" if aborted
+        reason = (f"shutdown{f' ({cause})' if cause else ''}: in-flight work aborted" if aborted
                   else "shutdown (drained)")
         self._set_state(EngineState.STOPPED, reason, requests_dropped=dropped)
         log.info("engine %d stopped (%s)", self.engine_index, "aborted" if aborted else "drained")
