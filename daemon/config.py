@@ -106,11 +106,15 @@ class ServeConfig(msgspec.Struct, kw_only=True, frozen=True):
 
     def restart_policy(self):
         from daemon.restart_policy import RestartPolicy
+        from engine.proc import EXIT_CONFIG_MISMATCH
 
+        # An engine refused for its configuration is refused again as it is: no restart loop.
+        fatal = {EXIT_CONFIG_MISMATCH: "configuration error: a frontend refused the engine "
+                                       "(config hash or protocol version mismatch, see its log)"}
         try:
             return RestartPolicy(self.restart_backoff_s, self.restart_backoff_max_s, 2.0,
                                  self.flap_window_s, self.flap_max_exits, self.flap_hold_s,
-                                 self.retry_limit, stable_s=self.stable_s)
+                                 self.retry_limit, stable_s=self.stable_s, fatal_exit_codes=fatal)
         except ValueError as exc:
             raise ConfigError(str(exc)) from exc
 

@@ -7,6 +7,9 @@ processes, and the clock is injected (every ``now`` is one monotonic clock).
 
 Per child, in order of precedence, ``decide`` answers:
 
+- ``GiveUp(reason)`` when its last exit code is one of ``fatal_exit_codes`` (an exit that
+  says "restarting me as I am cannot help", e.g. an engine refused for a configuration
+  mismatch), so that it is not restarted in a loop;
 - ``GiveUp(reason)`` when the child has failed more than ``retry_limit`` times in a row
   without becoming healthy (``retry_limit=None`` never gives up; ``0`` never restarts);
 - ``HoldOff(until, reason)`` while a flap hold is on: ``flap_max_exits`` exits inside
@@ -22,6 +25,7 @@ resets it (and the retry count) once the child has run for ``stable_s`` seconds.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Hashable, Union
 
@@ -81,7 +85,8 @@ class RestartPolicy:
     def __init__(self, backoff_initial_s: float = 1.0, backoff_max_s: float = 60.0,
                  backoff_factor: float = 2.0, flap_window_s: float = 60.0,
                  flap_max_exits: int = 5, flap_hold_s: float = 300.0,
-                 retry_limit: int | None = None, *, stable_s: float = 0.0) -> None:
+                 retry_limit: int | None = None, *, stable_s: float = 0.0,
+                 fatal_exit_codes: Mapping[int, str] | None = None) -> None:
         if backoff_initial_s < 0:
             raise ValueError(f"backoff_initial_s must be >= 0, got {backoff_initial_s}")
         if backoff_max_s < backoff_initial_s:
@@ -105,6 +110,8 @@ class RestartPolicy:
         self.flap_hold_s = float(flap_hold_s)
         self.retry_limit = retry_limit
         self.stable_s = float(stable_s)
+        #: exit code -> what it means; such an exit is not restarted (see ``decide``)
+        self.fatal_exit_codes = dict(fatal_exit_codes or {})
         self._children: dict[Hashable, _ChildState] = {}
 
     def reconfigure(self, **params: object) -> None:
@@ -173,6 +180,10 @@ class RestartPolicy:
         state = self._children.get(child_id)
         if state is None or state.num_failures == 0 or state.last_exit_at is None:
             return RestartNow()
+        meaning = self.fatal_exit_codes.get(state.last_exit_code)
+        if meaning is not None:
+            return GiveUp(f"{meaning} (exit code {state.last_exit_code}); not restarted: "
+                          f"fix the configuration, then `planaria restart`")
         if self.retry_limit is not None and state.num_failures > self.retry_limit:
             return GiveUp(f"{child_id} failed {state.num_failures} times in a row without "
                           f"becoming healthy (retry limit {self.retry_limit}); "

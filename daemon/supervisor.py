@@ -40,6 +40,7 @@ from daemon.logging import get_logger
 from daemon.restart_policy import GiveUp, HoldOff, RestartAt, RestartNow
 
 EXIT_OK, EXIT_FAILURE = 0, 1
+EXIT_CONFIG = 2  # every engine was refused for its configuration: restarting cannot help
 
 
 class SlotState(str, enum.Enum):
@@ -284,8 +285,14 @@ class Supervisor:
             if slot.key == FRONTEND_KEY or all(
                     s.state is SlotState.FAILED for s in self.engines.values()):
                 self.log.error("nothing left to serve with; shutting down")
-                self.exit_code = EXIT_FAILURE
+                config_error = slot.key != FRONTEND_KEY and all(
+                    self._failed_for_config(s) for s in self.engines.values())
+                self.exit_code = EXIT_CONFIG if config_error else EXIT_FAILURE
                 self.begin_shutdown()
+
+    def _failed_for_config(self, slot: Slot) -> bool:
+        exits = self.policy.last_exits(slot.key)
+        return bool(exits) and exits[-1][1] in self.policy.fatal_exit_codes
 
     def on_heartbeat(self, beat) -> None:
         slot = self.engines.get(beat.engine_index)
@@ -339,8 +346,12 @@ class Supervisor:
     # -- systemd ------------------------------------------------------------------------
     def status_line(self) -> str:
         restarts = sum(self.policy.restarts(s.key) for s in self.slots())
+        failed = [s for s in self.engines.values() if s.state is SlotState.FAILED]
         return (f"{self.num_up()}/{len(self.engines)} engines up, {restarts} restarts, "
                 f"frontend {self.frontend.state.value}"
+                + (f", engine {failed[0].engine_id} failed: {failed[0].reason}"
+                   + (f" (+{len(failed) - 1} more failed)" if len(failed) > 1 else "")
+                   if failed else "")
                 + (", stopping" if self.shutting_down else ""))
 
     def _notify_status(self) -> None:

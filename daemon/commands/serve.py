@@ -15,7 +15,9 @@ and applies log level, restart policy, hang and stop timeouts, --max-engines liv
 
 Signals: SIGTERM/SIGINT drain (children get SIGTERM, SIGKILL after --stop-timeout-s; a
 second signal kills at once); SIGHUP reloads. Exit codes: 0 stopped cleanly; 1 failed
-(a child gave up, or another daemon holds the runtime dir); 2 bad configuration.
+(a child gave up, or another daemon holds the runtime dir); 2 bad configuration (flags,
+admin keys, or every engine refused by the frontend for its config hash / protocol
+version; an engine that exits so is not restarted, see daemon/restart_policy.py).
 
 Remote admin: --admin-tcp HOST:PORT also serves the admin socket on TCP with CurveZMQ.
 The server key pair is made on the first start in --admin-keys-dir (default

@@ -173,3 +173,22 @@ def test_flap_detector_record_reports_and_clear_forgets():
 def test_flap_detector_invalid(window_s, max_exits):
     with pytest.raises(ValueError):
         FlapDetector(window_s, max_exits)
+
+
+def test_fatal_exit_code_gives_up_at_once_other_codes_do_not():
+    policy = RestartPolicy(**BASE, fatal_exit_codes={4: "configuration error"})
+    policy.record_start("e0", 0.0)
+    policy.record_exit("e0", 1.0, exit_code=4, reason="exit code 4")
+    action = policy.decide("e0", 100.0)  # however long after: never a restart
+    assert isinstance(action, GiveUp)
+    assert action.reason.startswith("configuration error (exit code 4); not restarted")
+    assert "planaria restart" in action.reason
+    # an operator's restart that then crashes ordinarily is back to the usual backoff
+    policy.record_start("e0", 200.0)
+    policy.record_exit("e0", 201.0, exit_code=1, reason="exit code 1")
+    assert policy.decide("e0", 201.0) == RestartAt(203.0)  # second failure in a row: 2 s
+    # without the mapping, exit code 4 is an ordinary failure
+    plain = RestartPolicy(**BASE)
+    plain.record_start("e0", 0.0)
+    plain.record_exit("e0", 1.0, exit_code=4)
+    assert plain.decide("e0", 1.5) == RestartAt(2.0)

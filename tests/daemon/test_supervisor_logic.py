@@ -191,6 +191,44 @@ def test_silent_engine_is_killed_as_frozen_even_if_it_was_idle():
     assert deaths[-1][0] == 0 and deaths[-1][2].startswith("frozen: no heartbeat for 10.")
 
 
+def test_engine_refused_for_its_config_is_not_restarted_and_status_says_why():
+    from engine.proc import EXIT_CONFIG_MISMATCH
+
+    sup, spawner, clock, notifier, deaths = make()
+    beat(sup, 0)
+    beat(sup, 1)
+    refused = engine_child(spawner, 1)
+    die(sup, refused, EXIT_CONFIG_MISMATCH)
+    assert deaths[-1][:2] == (1, refused.pid)
+    assert sup.engines[1].state is SlotState.FAILED
+    for _ in range(3):  # no restart, ever: no hot loop
+        clock.t += 60
+        sup.tick()
+    assert spawner.live(("engine", 1)) == []
+    assert not sup.shutting_down  # engine 0 still serves
+    assert notifier.lines[-1].startswith("STATUS=1/2 engines up, 0 restarts, frontend running, "
+                                         "engine 1 failed: configuration error")
+    assert "config hash or protocol version mismatch" in sup.status()["engines"][1]["reason"]
+    sup.restart_engine(1)  # the operator fixed it: start again on request
+    assert sup.engines[1].state is SlotState.STARTING
+
+
+def test_every_engine_refused_for_its_config_stops_the_daemon_with_exit_2():
+    from daemon.supervisor import EXIT_CONFIG
+    from engine.proc import EXIT_CONFIG_MISMATCH
+
+    sup, spawner, clock, notifier, _ = make(num_engines=2)
+    die(sup, engine_child(spawner, 0), EXIT_CONFIG_MISMATCH)
+    assert not sup.shutting_down
+    die(sup, engine_child(spawner, 1), EXIT_CONFIG_MISMATCH)
+    assert sup.shutting_down and sup.exit_code == EXIT_CONFIG == 2
+    # one refused and one crashing past its retry limit: an ordinary failure
+    sup, spawner, clock, notifier, _ = make(num_engines=2, retry_limit=0)
+    die(sup, engine_child(spawner, 0), EXIT_CONFIG_MISMATCH)
+    die(sup, engine_child(spawner, 1), 1)
+    assert sup.shutting_down and sup.exit_code == EXIT_FAILURE
+
+
 def test_frontend_death_restarts_it_and_recycles_the_engines():
     sup, spawner, clock, _, deaths = make()
     beat(sup, 0)

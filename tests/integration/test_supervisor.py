@@ -255,6 +255,49 @@ def test_admin_tcp_without_authorized_keys_refuses_to_start(tiny_moe, tmp_path):
     assert not (empty_state / "logs" / "engine-0.log").exists()  # nothing was spawned
 
 
+def test_engine_refused_for_its_config_is_not_restarted(tiny_moe, tmp_path):
+    """A second client that expects another config hash refuses the engine at READY: the
+    engine exits EXIT_CONFIG_MISMATCH, the supervisor does not restart it, and with no
+    engine left it stops with exit 2 (the unit's RestartPreventExitStatus=)."""
+    import asyncio
+
+    from engine.client import EngineClient, ipc_addresses
+
+    runtime = Path(tempfile.mkdtemp(prefix="pl-cfg-"))
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    refuser = EngineClient(1, runtime, client_index=1, expected_config_hash="not-this-config")
+    asyncio.run_coroutine_threadsafe(refuser.start(wait_ready=False), loop).result(10)
+    state = tmp_path / "state"
+    proc = subprocess.Popen(
+        [*PLANARIA, "serve", "--model", tiny_moe, "--engines", "1", "--state-dir", str(state),
+         "--runtime-dir", str(runtime), "--http", f"127.0.0.1:{_free_port()}",
+         "--engine-config-json", json.dumps(ENGINE_CONFIG), "--restart-backoff-s", "0.1",
+         "--extra-client-addresses", ipc_addresses(runtime, 1)[0]],
+        cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1",
+                           PLANARIA_LOG_FORMAT="json"),
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        out, _ = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        _stop_tree(proc)
+        out = proc.stdout.read()
+        raise AssertionError(f"the daemon kept going\n{out[-3000:]}")
+    finally:
+        asyncio.run_coroutine_threadsafe(refuser.close(), loop).result(10)
+        loop.call_soon_threadsafe(loop.stop)
+        shutil.rmtree(runtime, ignore_errors=True)
+    assert proc.returncode == 2, out[-3000:]
+    events = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    exits = [e for e in events if e["event"] == "exited" and e.get("engine_id") == 0]
+    assert [e["reason"] for e in exits] == ["exit code 4"], out[-3000:]  # one start, no restart
+    gave_up = [e for e in events if e["event"] == "giving up"]
+    assert gave_up and "configuration error" in gave_up[0]["reason"], out[-3000:]
+    engine_log = (state / "logs" / "engine-0.log").read_text()
+    assert engine_log.count("planaria starts") == 1 and "refused" in engine_log
+
+
 def test_children_log_json_lines_with_their_ids(daemon):
     status = daemon.status()
     for e in status["engines"]:
