@@ -78,6 +78,10 @@ def main(args: argparse.Namespace) -> int:
     if args.lines < 0:
         print("planaria logs: -n must be >= 0", file=sys.stderr)
         return EXIT_BAD_ARGUMENT
+    if getattr(args, "connect", None):
+        print("planaria logs: reads the daemon's log files, so it runs on the daemon's host "
+              "(not with --connect); remotely, use journalctl or ship the files", file=sys.stderr)
+        return EXIT_BAD_ARGUMENT
     try:
         files = call(args, NAME)["files"]
     except DaemonNotRunningError:
