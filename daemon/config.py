@@ -64,6 +64,13 @@ class ServeConfig(msgspec.Struct, kw_only=True, frozen=True):
     cluster: str = "default"
     node_id: str = ""  # default: the host name
     rendezvous: str = ""  # host:port of this node's TCPStore for EP groups; empty: a free loopback port
+    # A secured etcd cluster (--etcd-endpoints): TLS files, user and password file. The
+    # engines get them through their environment (paths and user name only).
+    etcd_ca_cert: str = ""
+    etcd_cert: str = ""
+    etcd_key: str = ""
+    etcd_user: str = ""
+    etcd_password_file: str = ""
     # Further ZMQ clients every engine handshakes with besides the frontend (comma-separated
     # ROUTER addresses): a second frontend, or a tool making utility calls (a chaos test's
     # fault injection). An engine waits for each of them at start.
@@ -100,6 +107,19 @@ class ServeConfig(msgspec.Struct, kw_only=True, frozen=True):
         if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
             raise ConfigError(f"unknown log level {self.log_level!r}")
         self.restart_policy()  # RestartPolicy validates its own numbers
+        security = self.etcd_security()
+        if (security.tls or security.auth) and not self.etcd_endpoints:
+            raise ConfigError("--etcd-ca-cert/--etcd-cert/--etcd-key/--etcd-user/--etcd-password-file "
+                              "are for an etcd cluster given with --etcd-endpoints (the embedded one "
+                              "listens on loopback only, without TLS or auth)")
+        if security.problems():
+            raise ConfigError("; ".join(security.problems()))
+
+    def etcd_security(self):
+        from elastic.etcd_security import EtcdSecurity
+
+        return EtcdSecurity(ca_cert=self.etcd_ca_cert, cert=self.etcd_cert, key=self.etcd_key,
+                            user=self.etcd_user, password_file=self.etcd_password_file)
 
     def extra_client_list(self) -> list[str]:
         return [a.strip() for a in self.extra_client_addresses.split(",") if a.strip()]
@@ -161,6 +181,12 @@ _FLAGS: list[tuple[str, str, Any, str]] = [
     ("--cluster", "cluster", str, "ep: cluster name, the etcd key prefix /planaria/NAME/ (default: default)"),
     ("--node-id", "node_id", str, "ep: this node's id in the cluster (default: the host name)"),
     ("--rendezvous", "rendezvous", str, "ep: HOST:PORT of this node's process-group store (default: free port)"),
+    ("--etcd-ca-cert", "etcd_ca_cert", str, "ep: PEM file of the CA of etcd's TLS certificate (TLS on)"),
+    ("--etcd-cert", "etcd_cert", str, "ep: client certificate for etcd (with --etcd-key; TLS on)"),
+    ("--etcd-key", "etcd_key", str, "ep: the client certificate's key file"),
+    ("--etcd-user", "etcd_user", str, "ep: etcd user (auth enabled; with --etcd-password-file)"),
+    ("--etcd-password-file", "etcd_password_file", str,
+     "ep: file holding the etcd user's password (never given on the command line)"),
     ("--extra-client-addresses", "extra_client_addresses", str,
      "ADDR[,ADDR]: ZMQ clients (ROUTER addresses) every engine also handshakes with, e.g. "
      "a second frontend or a tool making utility calls; an engine waits for each at start"),
@@ -260,6 +286,9 @@ def build(flags: Mapping[str, Any], environ: Mapping[str, str] | None = None) ->
     values["model"] = str(Path(values["model"]).absolute())
     if values.get("env_file"):
         values["env_file"] = str(Path(values["env_file"]).absolute())
+    for name in ("etcd_ca_cert", "etcd_cert", "etcd_key", "etcd_password_file"):
+        if values.get(name):  # the engines run in the state dir: paths must not be relative
+            values[name] = str(Path(values[name]).absolute())
     values["log_level"] = str(values.get("log_level", "INFO")).upper()
     try:
         config = msgspec.convert(values, ServeConfig)

@@ -72,6 +72,7 @@ class Launcher:
     """Builds ChildSpecs; ``python`` and ``environ`` are injectable for tests."""
 
     etcd_endpoints = ""  # EP: set by `serve` once the (embedded) etcd is up
+    etcd_env: dict[str, str] = {}  # EP: etcd TLS/auth settings for the engines (EtcdSecurity.to_env)
 
     def __init__(self, config: ServeConfig, python: str = sys.executable,
                  environ: Mapping[str, str] | None = None) -> None:
@@ -116,7 +117,8 @@ class Launcher:
             argv += ["--engine-id", ep_engine_id(cfg, engine_id), "--node-id", node_id(cfg),
                      "--etcd-endpoints", self.etcd_endpoints or cfg.etcd_endpoints, "--cluster", cfg.cluster]
         key = engine_key(engine_id)
-        return ChildSpec(key=key, argv=argv, env=self._env(PLANARIA_ENGINE_ID=str(engine_id)),
+        etcd_env = self.etcd_env if cfg.parallel == "ep" else {}
+        return ChildSpec(key=key, argv=argv, env=self._env(PLANARIA_ENGINE_ID=str(engine_id), **etcd_env),
                          log_path=str(log_path(cfg, key)), cwd=cfg.state_dir)
 
     def frontend(self, num_engines: int) -> ChildSpec:

@@ -39,12 +39,13 @@ class ProcessLauncher:
 
     def __init__(self, *, model_dir: str, engine_config: dict, input_addr: str, etcd_endpoints: list[str],
                  cluster: str, node_id: str, log_dir: Path, env: dict | None = None,
-                 lease_ttl_s: float = 3.0, collective_timeout_s: float = 10.0) -> None:
+                 lease_ttl_s: float = 3.0, collective_timeout_s: float = 10.0, etcd_security=None) -> None:
         self.model_dir, self.engine_config, self.input_addr = model_dir, engine_config, input_addr
         self.etcd_endpoints, self.cluster, self.node_id = etcd_endpoints, cluster, node_id
         self.log_dir = Path(log_dir)
         self.env = env
         self.lease_ttl_s, self.collective_timeout_s = lease_ttl_s, collective_timeout_s
+        self.etcd_security = etcd_security
         self.procs: dict[str, subprocess.Popen] = {}
         self.index_of: dict[str, int] = {}
         self._next_index = 0
@@ -64,6 +65,8 @@ class ProcessLauncher:
                "--etcd-endpoints", ",".join(self.etcd_endpoints), "--cluster", self.cluster,
                "--lease-ttl-s", str(self.lease_ttl_s), "--collective-timeout-s", str(self.collective_timeout_s)]
         env = dict(os.environ if self.env is None else self.env)
+        if self.etcd_security is not None:  # TLS files and user via env; never a password on argv
+            env.update(self.etcd_security.to_env())
         self.procs[engine_id] = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env,
                                                  start_new_session=True)
         out.close()
@@ -89,11 +92,12 @@ class EPNode:
     def __init__(self, node_id: str, cluster: str, etcd_endpoints: list[str], *, model_dir: str,
                  launcher: Callable[[str, int | None], None] | None, initial_engines: int, rendezvous: str,
                  block_size: int = 16, lease_ttl_s: int = 3, tick_s: float = 0.2, device_kind: str = "cpu",
-                 switch_timeout_s: float = 30.0) -> None:
+                 switch_timeout_s: float = 30.0, security=None) -> None:
         from engine.models.loader import load_hf_config, model_fingerprint, spec_from_config
 
         self.node_id, self.cluster = node_id, cluster
-        self.membership = Membership.from_endpoints(etcd_endpoints, cluster, node_id, ttl_s=lease_ttl_s)
+        self.membership = Membership.from_endpoints(etcd_endpoints, cluster, node_id, ttl_s=lease_ttl_s,
+                                                    security=security)
         self.election = LeaderElection(self.membership)
         self.rendezvous = rendezvous
         self._store = None

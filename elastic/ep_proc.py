@@ -19,7 +19,9 @@ Like ``engine.proc`` (same sockets, handshake, faults, shutdown), plus:
   the abort of a failed switch) brings the group back. A failed switch never kills a rank.
 
 Launch: ``python -m elastic.ep_proc --engine-index I --engine-id ID --input-addr ... \
-    --config-json ... --etcd-endpoints host:port --cluster NAME``
+    --config-json ... --etcd-endpoints host:port --cluster NAME``; a secured etcd's TLS files,
+user and password file come in ``PLANARIA_ETCD_*`` environment variables
+(elastic/etcd_security.py), never on the command line.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ import msgspec
 
 from elastic.ep import CollectiveError, EPSpec
 from elastic.ep_engine import EPRank, make_ep_core
+from elastic.etcd_security import EtcdSecurity
 from elastic.keys import EngineRecord, EngineState as ClusterState, Epoch, KeyLayout, decode
 from engine import envs
 from engine.config import EngineConfig
@@ -52,10 +55,11 @@ class EPEngineCoreProc(EngineCoreProc):
     def __init__(self, engine_index: int, engine_id: str, node_id: str, input_addresses: list[str],
                  config: EngineConfig, etcd_endpoints: list[str], cluster: str,
                  settings: ProcSettings | None = None, lease_ttl_s: float = 3.0,
-                 collective_timeout_s: float = 10.0) -> None:
+                 collective_timeout_s: float = 10.0, etcd_security=None) -> None:
         super().__init__(engine_index, input_addresses, config, settings)
         self.engine_id, self.node_id = engine_id, node_id
         self.etcd_endpoints, self.cluster = etcd_endpoints, cluster
+        self.etcd_security = etcd_security
         self.lease_ttl_s, self.collective_timeout_s = lease_ttl_s, collective_timeout_s
         self.keys = KeyLayout(cluster)
         self.ep: EPRank | None = None
@@ -82,7 +86,8 @@ class EPEngineCoreProc(EngineCoreProc):
         from elastic.membership import Membership
 
         self._membership = Membership.from_endpoints(self.etcd_endpoints, self.cluster, self.engine_id,
-                                                     ttl_s=self.lease_ttl_s).start()
+                                                     ttl_s=self.lease_ttl_s,
+                                                     security=self.etcd_security).start()
         self._record(ClusterState.LOADING)
         self._watch = self._membership.watch_prefix(self.keys.epoch, self._on_epoch_events)
 
@@ -385,10 +390,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"elastic.ep_proc: bad arguments: {exc}", file=sys.stderr)
         return EXIT_USAGE
     settings = settings or ProcSettings()
+    try:  # TLS files, user and password file come through the environment (never argv)
+        security = EtcdSecurity.from_env().validate()
+    except ValueError as exc:
+        print(f"elastic.ep_proc: bad etcd settings in the environment: {exc}", file=sys.stderr)
+        return EXIT_USAGE
     _setup_logging(args.engine_index, settings.log_level)
     proc = EPEngineCoreProc(args.engine_index, args.engine_id, args.node_id, args.input_addr, config,
                             args.etcd_endpoints.split(","), args.cluster, settings, args.lease_ttl_s,
-                            args.collective_timeout_s)
+                            args.collective_timeout_s, etcd_security=security)
     try:
         return proc.run()
     finally:

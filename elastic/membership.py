@@ -29,6 +29,7 @@ import structlog
 from elastic.errors import EtcdUnavailableError
 from elastic.etcd_client import (DEFAULT_RPC_TIMEOUT_S, ClientFactory, client_factory,
                                  etcd_call, is_lease_not_found)
+from elastic.etcd_security import EtcdSecurity
 from elastic.keys import EngineRecord, KeyLayout, NodeInfo, decode, encode
 from elastic.watch import KeyWatch, WatchCallback
 
@@ -77,8 +78,8 @@ class Membership:
     @classmethod
     def from_endpoints(cls, endpoints: list[str] | str, cluster: str, node_id: str,
                        ttl_s: int = 10, rpc_timeout_s: float = DEFAULT_RPC_TIMEOUT_S,
-                       ) -> Membership:
-        return cls(client_factory(endpoints, rpc_timeout_s), cluster, node_id, ttl_s)
+                       security: EtcdSecurity | None = None) -> Membership:
+        return cls(client_factory(endpoints, rpc_timeout_s, security), cluster, node_id, ttl_s)
 
     # ----------------------------------------------------------------- lifecycle
 

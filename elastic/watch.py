@@ -24,6 +24,7 @@ import msgspec
 import structlog
 from etcd3 import etcdrpc, utils
 
+from elastic.errors import EtcdUnavailableError
 from elastic.etcd_client import _TRANSPORT_ERRORS
 
 log = structlog.get_logger(__name__)
@@ -104,7 +105,7 @@ class KeyWatch:
                 revision = self._resync()
                 backoff_s = 0.05
                 self._stream(revision + 1)
-            except (_StreamBroken, *_TRANSPORT_ERRORS) as exc:
+            except (_StreamBroken, EtcdUnavailableError, *_TRANSPORT_ERRORS) as exc:
                 if self._stopped.is_set():
                     break
                 log.debug("watch_broken", watch=self._name, error=str(exc))

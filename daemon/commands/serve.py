@@ -172,7 +172,9 @@ def _start_ep(config, supervisor, log):
         etcd.start()
         endpoints = etcd.endpoint
         log.info("embedded etcd started", endpoint=endpoints, pid=etcd.pid)
+    security = config.etcd_security()
     supervisor.launcher.etcd_endpoints = endpoints
+    supervisor.launcher.etcd_env = security.to_env()  # engines: paths and user via env, never argv
     rendezvous = config.rendezvous
     if not rendezvous:
         s = socket.socket()
@@ -180,7 +182,8 @@ def _start_ep(config, supervisor, log):
         rendezvous = f"127.0.0.1:{s.getsockname()[1]}"
         s.close()
     node = EPNode(node_id(config), config.cluster, endpoints.split(","), model_dir=config.model,
-                  launcher=None, initial_engines=config.num_engines, rendezvous=rendezvous)
+                  launcher=None, initial_engines=config.num_engines, rendezvous=rendezvous,
+                  security=security)
     node.start()
     supervisor.ep = node
     log.info("expert parallelism on", cluster=config.cluster, node=node.node_id, rendezvous=rendezvous)

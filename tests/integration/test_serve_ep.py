@@ -87,3 +87,35 @@ def test_sigkilled_rank_is_reformed_around_and_rejoins(daemon, reference):
     assert s["engines"][1]["kv_source"] == "reused"
     assert s["ep"]["engines"][s["ep"]["ranks"][1]]["kv_source"] == "reused"
     assert _text(daemon) == reference
+
+
+def test_serve_with_a_secured_etcd_cluster(tiny_moe, tmp_path, reference):
+    """--etcd-endpoints of an etcd with TLS and auth: the supervisor and its EP engine process
+    reach it with the given certificates, user and password file (the engines through their
+    environment); the password is on no command line."""
+    import psutil
+
+    from tests.elastic.conftest import _require_etcd
+    from tests.elastic.pki import make_pki, secure_etcd
+
+    _require_etcd()
+    pki = make_pki(tmp_path / "pki")
+    if pki is None:
+        pytest.skip("no openssl command")
+    password = "serve-pw-123"
+    etcd, password_file = secure_etcd(tmp_path, pki, "planaria", password)
+    d = None
+    try:
+        d = Daemon(tiny_moe, tmp_path / "serve", extra_args=(
+            "--parallel", "ep", "--engines", "1", "--etcd-endpoints", etcd.endpoint, "--etcd-ca-cert", pki.ca,
+            "--etcd-cert", pki.client_cert, "--etcd-key", pki.client_key, "--etcd-user", "planaria",
+            "--etcd-password-file", password_file))
+        s = d.wait(lambda s: _group(s, 1), 180, "an EP group of 1 over the secured etcd")
+        assert s["ep"]["leader"] and s["ep"]["engines"][s["ep"]["ranks"][0]]["state"] == "serving"
+        assert _text(d) == reference
+        for p in [psutil.Process(d.proc.pid), *psutil.Process(d.proc.pid).children(recursive=True)]:
+            assert password not in " ".join(p.cmdline())
+    finally:
+        if d is not None:
+            _stop_tree(d.proc)
+        etcd.stop()
