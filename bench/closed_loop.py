@@ -123,3 +123,14 @@ def mismatches(records: list[LoadRecord], reference: list[str]) -> list[tuple[in
     """The requests that failed or whose text differs from the fault-free run's."""
     return [(r.body_index, r.result) for r in records
             if r.result["status"] != 200 or r.result["error"] or r.result["text"] != reference[r.body_index]]
+
+
+def offline_reference(model: str, bodies: list[dict], kv_cache_bytes: int = 32 * 2**20,
+                      max_model_len: int = 1024) -> list[str]:
+    """Each body's text from the offline single engine (no EP, no faults), in one batch."""
+    from engine import LLM, SamplingParams
+
+    llm = LLM(model, kv_cache_bytes=kv_cache_bytes, max_model_len=max_model_len)
+    params = [SamplingParams(temperature=b["temperature"], top_p=b.get("top_p", 1.0), seed=b.get("seed"),
+                             max_tokens=b["max_tokens"], ignore_eos=True) for b in bodies]
+    return [o.text for o in llm.generate([b["prompt"] for b in bodies], params)]

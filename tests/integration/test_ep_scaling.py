@@ -1,20 +1,23 @@
-"""Elastic expert parallelism with a real etcd and real processes, under streaming load:
-scale 2 -> 3 -> 2, SIGKILL of a rank, etcd killed and restarted. Every request completes
-and its text equals a fault-free single-engine run."""
+"""Elastic expert parallelism with a real etcd and real processes, under a steady
+closed-loop streaming load (bench/closed_loop.py): scale 2 -> 3 -> 2, SIGKILL of a rank,
+etcd killed and restarted. The load runs across each event, so requests are in flight
+through every group switch (asserted from their start and end times), the requests of a
+departing or killed rank are replayed on the survivors (asserted from the frontend's
+replay counter), and every text equals the fault-free single-engine run's."""
 
 from __future__ import annotations
 
-import asyncio
 import time
 
-import aiohttp
 import pytest
 
-from bench.fault_recovery import request_bodies, stream_completion
+from bench.closed_loop import ClosedLoopLoad, metric, mismatches, offline_reference
+from bench.streaming_load import request_bodies
 from elastic.harness import EPDeployment
 
 pytestmark = pytest.mark.timeout(900)
-NUM_STREAMS = 8
+NUM_STREAMS = 6
+REPLAYS = "planaria_request_replays_total"
 
 
 @pytest.fixture(scope="module")
@@ -29,86 +32,91 @@ def deployment(tmp_path_factory, tiny_moe):
 
 @pytest.fixture(scope="module")
 def bodies():
-    return request_bodies(24, (24, 48), seed=3)
+    return request_bodies(16, (48, 96), seed=3)
 
 
 @pytest.fixture(scope="module")
 def reference(tiny_moe, bodies):
-    """Fault-free texts from the offline engine on the same model (single engine, no EP)."""
-    from engine import LLM, SamplingParams
-
-    llm = LLM(tiny_moe, kv_cache_bytes=32 * 2**20, max_model_len=1024)
-    outs = []
-    for b in bodies:
-        sp = SamplingParams(temperature=b["temperature"], top_p=b.get("top_p", 1.0), seed=b.get("seed"),
-                            max_tokens=b["max_tokens"], ignore_eos=True)
-        outs.append(llm.generate([b["prompt"]], sp)[0].text)
-    return outs
+    return offline_reference(tiny_moe, bodies)
 
 
-def _load(d: EPDeployment, bodies, during) -> list[dict]:
-    """Stream every body (NUM_STREAMS at a time) while `during()` runs in a thread."""
+class Loaded:
+    """The load around one test's events: started and steady before, a few more requests
+    done after, then every request checked against the fault-free texts."""
 
-    async def main():
-        sem = asyncio.Semaphore(NUM_STREAMS)
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as s:
-            async def one(b):
-                async with sem:
-                    return await stream_completion(s, d.base_url, b)
+    def __init__(self, d: EPDeployment, bodies, reference) -> None:
+        self.d, self.reference = d, reference
+        self.load = ClosedLoopLoad(d.base_url, bodies, NUM_STREAMS)
 
-            tasks = [asyncio.create_task(one(b)) for b in bodies]
-            await asyncio.sleep(0.5)
-            await asyncio.to_thread(during)
-            return await asyncio.gather(*tasks)
+    def __enter__(self) -> "Loaded":
+        self.load.start()
+        self.load.wait_done(NUM_STREAMS)  # every stream has had a turn: the load is steady
+        return self
 
-    return asyncio.run(main())
+    def __exit__(self, *exc) -> None:
+        if exc[0] is None:
+            self.load.wait_done(self.load.num_done + NUM_STREAMS)  # and it goes on after
+        self.records = self.load.stop()
+        if exc[0] is None:
+            bad = mismatches(self.records, self.reference)
+            assert not bad, bad[:3]
 
-
-def _check(results, reference):
-    bad = [(i, r) for i, (r, ref) in enumerate(zip(results, reference))
-           if r["status"] != 200 or r["error"] or r["text"] != ref]
-    assert not bad, bad[:3]
+    def replays(self) -> float:
+        return metric(self.d.base_url, REPLAYS)
 
 
 def test_scale_up_and_down_under_load(deployment, bodies, reference):
     d = deployment
     ep0 = d.epoch()
-
-    def scale_cycle():
+    with Loaded(d, bodies, reference) as run:
         d.scale(3)
-        ep, up_s = d.wait_serving(3, newer_than=ep0.number)
+        ep3, _ = d.wait_serving(3, newer_than=ep0.number)
+        up = (ep3.created_at, time.time())  # epoch written -> every rank serves it
         records = {r.engine_id: r for r in d.node.membership.list_engines()}
-        new = [e for e in ep.ranks if e not in ep0.ranks]
+        new = [e for e in ep3.ranks if e not in ep0.ranks]
         assert [records[e].kv_source for e in new] == ["reused"]
         assert all(records[e].kv_source == "profiled" for e in ep0.ranks)
+        run.load.wait_done(run.load.num_done + NUM_STREAMS)
+        replays = run.replays()
         d.scale(2)
-        d.wait_serving(2, newer_than=ep.number)
-
-    _check(_load(d, bodies, scale_cycle), reference)
+        ep2, _ = d.wait_serving(2, newer_than=ep3.number)
+        down = (ep2.created_at, time.time())
+        num_replayed = run.replays() - replays
+    assert run.load.in_flight_across(*up), "no request was in flight across the 2 -> 3 switch"
+    assert run.load.in_flight_across(*down), "no request was in flight across the 3 -> 2 switch"
+    assert num_replayed >= 1, "the departing rank's requests were not replayed on the survivors"
+    assert ep2.ranks == ep0.ranks
 
 
 def test_sigkill_of_a_rank_mid_load(deployment, bodies, reference):
     d = deployment
     ep0 = d.epoch()
-
-    def kill():
+    with Loaded(d, bodies, reference) as run:
+        replays = run.replays()
+        killed_at = time.time()
         d.kill_rank(1)
-        d.wait_serving(2, newer_than=ep0.number + 1, timeout_s=180)  # reform, then scale back up
-
-    _check(_load(d, bodies, kill), reference)
+        small, _ = d.wait_serving(1, newer_than=ep0.number, timeout_s=120)  # re-formed without it
+        d.wait_serving(2, newer_than=small.number, timeout_s=180)  # restarted, rejoined
+        num_replayed = run.replays() - replays
+    assert run.load.in_flight_across(killed_at), "no request was in flight when the rank died"
+    assert num_replayed >= 1, "the killed rank's requests were not replayed"
 
 
 def test_etcd_outage_mid_load_loses_nothing(deployment, bodies, reference):
     d = deployment
     ep0 = d.epoch()
-
-    def outage():
+    pids = {e: d.launcher.procs[e].pid for e in ep0.ranks}
+    with Loaded(d, bodies, reference) as run:
+        down_at = time.time()
         d.etcd.kill()
         time.sleep(4)
         with pytest.raises(Exception):
             d.scale(3)  # membership changes are refused while etcd is down
+        up_at = time.time()
         d.etcd.start()
-
-    _check(_load(d, bodies, outage), reference)
     ep, _ = d.wait_serving(2, timeout_s=60)
     assert ep.ranks == ep0.ranks  # no engine restarted for the outage
+    assert {e: d.launcher.procs[e].pid for e in ep.ranks} == pids
+    assert run.load.in_flight_across(down_at), "no request was in flight when etcd died"
+    during = [r for r in run.records if down_at < r.started_at and r.ended_at < up_at]
+    assert during, "no request was served while etcd was down"
