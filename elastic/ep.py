@@ -22,6 +22,7 @@ Applied as a transform (``apply_expert_parallel``): the model code only has a ho
 from __future__ import annotations
 
 import datetime
+import time
 
 import msgspec
 import torch
@@ -128,19 +129,30 @@ class EPGroup:
         except (RuntimeError, dist.DistError) as exc:
             raise CollectiveError(f"epoch {spec.epoch}: cannot form the group: {exc}") from exc
 
+    # ``waiting_since``: the monotonic time this rank entered the collective it is in (None
+    # between collectives). A rank blocked there waits on a peer, it is not hung itself: its
+    # heartbeat says so, and the collective timeout bounds the wait.
+    waiting_since: float | None = None
+
     def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_splits: list[int]) -> None:
+        self.waiting_since = time.monotonic()
         try:
             self.pg.alltoall_base(out, inp, out_splits, in_splits).wait()
         except (RuntimeError, dist.DistError) as exc:
             raise CollectiveError(f"all_to_all failed: {exc}") from exc
+        finally:
+            self.waiting_since = None
 
     def all_reduce_max(self, t: torch.Tensor) -> torch.Tensor:
+        self.waiting_since = time.monotonic()
         try:
             opts = dist.AllreduceOptions()
             opts.reduceOp = dist.ReduceOp.MAX
             self.pg.allreduce([t], opts).wait()
         except (RuntimeError, dist.DistError) as exc:
             raise CollectiveError(f"all_reduce failed: {exc}") from exc
+        finally:
+            self.waiting_since = None
         return t
 
     def destroy(self) -> None:

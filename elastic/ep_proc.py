@@ -49,6 +49,7 @@ from engine.proc import (EXIT_OK, EXIT_USAGE, EngineCoreProc, EngineState, ProcS
 log = logging.getLogger(__name__)
 IDLE_POLL_S = 0.005  # an idle rank re-syncs this often (start latency of new work)
 EP_FAULT_ENV = "PLANARIA_EP_FAULT"  # chaos tests (with PLANARIA_FAULT_INJECTION=1)
+COLLECTIVE_WAIT_S = 0.5  # in one collective longer than this: waiting on a peer
 
 
 class EPEngineCoreProc(EngineCoreProc):
@@ -352,10 +353,15 @@ class EPEngineCoreProc(EngineCoreProc):
         self._record(ClusterState.UNHEALTHY)
 
     def _heartbeat(self):
-        """Waiting for (or forming) a group is not a hang: report no work meanwhile, so
-        the supervisor's hang detector only judges ranks that could step."""
+        """Waiting for (or forming) a group, or on a peer inside a collective, is not a hang:
+        report no work meanwhile, so the supervisor's hang detector only judges ranks that
+        could step (a peer that hangs is the one it kills: it is silent, or stuck outside a
+        collective; the collective timeout bounds the wait of the others)."""
         beat = super()._heartbeat()
-        if not self._in_group() or self._reforming or self._forming:
+        group = self.ep.group if self.ep is not None else None
+        waiting = group is not None and group.waiting_since is not None \
+            and time.monotonic() - group.waiting_since > COLLECTIVE_WAIT_S
+        if group is None or self._reforming or self._forming or waiting:
             beat = msgspec.structs.replace(beat, has_work=False)
         return beat
 

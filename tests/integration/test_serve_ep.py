@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import time
 
 import pytest
 
@@ -87,6 +88,46 @@ def test_sigkilled_rank_is_reformed_around_and_rejoins(daemon, reference):
     assert s["engines"][1]["kv_source"] == "reused"
     assert s["ep"]["engines"][s["ep"]["ranks"][1]]["kv_source"] == "reused"
     assert _text(daemon) == reference
+
+
+def test_hung_rank_under_load_is_killed_reformed_around_and_rejoins(daemon, tiny_moe):
+    """SIGSTOP of a rank mid-load: the survivor's collectives stall, and it is not killed
+    for it (it waits on a peer); the supervisor kills the silent rank; the survivor goes
+    UNHEALTHY with its requests kept (failed_epoch in its record, same pid), the leader
+    re-forms without the lost rank, which restarts (reusing the KV figure) and rejoins.
+    Every request of a closed-loop load completes with the fault-free text."""
+    from bench.closed_loop import ClosedLoopLoad, metric, mismatches, offline_reference
+    from bench.streaming_load import request_bodies
+
+    bodies = request_bodies(8, (32, 64), seed=11)
+    reference = offline_reference(tiny_moe, bodies, kv_cache_bytes=16 * 2**20, max_model_len=256)
+    s = daemon.wait(lambda s: _group(s, 2), 60, "EP group of 2")
+    epoch0, ranks0 = s["ep"]["epoch"], s["ep"]["ranks"]
+    survivor, hung = s["engines"]
+    restarts0 = hung["restarts"]
+    load = ClosedLoopLoad(daemon.base, bodies, num_streams=4).start()
+    try:
+        load.wait_done(4)
+        replays = metric(daemon.base, "planaria_request_replays_total")
+        stopped_at = time.time()
+        os.kill(hung["pid"], signal.SIGSTOP)
+        daemon.wait(lambda s: (s.get("ep") or {}).get("world_size") == 1 and s["ep"]["epoch"] > epoch0,
+                    60, "a group of 1 without the hung rank")
+        s = daemon.wait(lambda s: _group(s, 2) and s["ep"]["epoch"] > epoch0 + 1, 180, "the rank rejoined")
+        load.wait_done(load.num_done + 4)
+    finally:
+        records = load.stop()
+    assert not mismatches(records, reference), mismatches(records, reference)[:3]
+    assert load.in_flight_across(stopped_at), "no request was in flight when the rank hung"
+    assert metric(daemon.base, "planaria_request_replays_total") > replays  # its requests moved
+    now_survivor, now_hung = s["engines"]
+    assert now_survivor["pid"] == survivor["pid"] and now_survivor["restarts"] == survivor["restarts"]
+    assert now_hung["restarts"] == restarts0 + 1 and now_hung["pid"] != hung["pid"]
+    assert "hung" in now_hung["reason"] or "silent" in now_hung["reason"] or "no heartbeat" in now_hung["reason"], \
+        now_hung["reason"]
+    assert now_hung["kv_source"] == "reused"
+    rec = s["ep"]["engines"][ranks0[0]]  # the survivor went UNHEALTHY at the lost epoch, then re-formed
+    assert rec["failed_epoch"] >= epoch0 and rec["state"] == "serving"
 
 
 def test_serve_with_a_secured_etcd_cluster(tiny_moe, tmp_path, reference):
