@@ -12,6 +12,11 @@ tests hand it fakes. The real ones are built here, in one place:
 - ``PopenChild.fileno()`` is a pidfd (``os.pidfd_open``): readable once the process has
   exited, so the supervisor waits on it with its poller, beside its sockets, and learns
   of a death without polling. Signals go to the pid, and only while it is not reaped.
+- ``PopenChild.watch_threads(tids)`` adds thread pidfds (``PIDFD_THREAD``, Linux 6.9+) on
+  threads that live as long as the process (an engine's exit sentinels,
+  engine/heartbeat.py): they fire as soon as a killed process's threads are gone, before
+  the kernel has freed its memory, so the supervisor can report the death early
+  (``exit_sentinels()``); the process pidfd still decides when it is reaped.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from pathlib import Path
 from typing import Hashable, Protocol
 
 _PR_SET_PDEATHSIG = 1
+PIDFD_THREAD = os.O_EXCL  # linux/pidfd.h: a pidfd for one thread, readable when it exits
 
 
 @dataclass(frozen=True)
@@ -72,6 +78,8 @@ class PopenChild:
         self.popen = popen
         self.pid = popen.pid
         self._pidfd: int | None = os.pidfd_open(popen.pid)
+        self._thread_pidfds: list[int] = []
+        self.watched_tids: list[int] = []
 
     def fileno(self) -> int:
         """A pidfd: poll it for POLLIN, which means the process has exited."""
@@ -79,11 +87,39 @@ class PopenChild:
             raise ValueError("the child was reaped")
         return self._pidfd
 
+    def exit_sentinels(self) -> list[int]:
+        """Thread pidfds: any one readable means the process is exiting."""
+        return list(self._thread_pidfds)
+
+    def watch_threads(self, tids: list[int]) -> int:
+        """Open thread pidfds on ``tids`` (threads of this process only); returns how many
+        are watched. Without kernel support (EINVAL) or for a tid that is gone, none."""
+        if self._pidfd is None or self.watched_tids:
+            return len(self._thread_pidfds)
+        self.watched_tids = list(tids)
+        for tid in tids:
+            try:
+                fd = os.pidfd_open(tid, PIDFD_THREAD)
+            except OSError:
+                continue
+            # Opened first, checked second: the tid cannot be reused while the pidfd is open.
+            if os.path.exists(f"/proc/{self.pid}/task/{tid}"):
+                self._thread_pidfds.append(fd)
+            else:
+                os.close(fd)
+        return len(self._thread_pidfds)
+
+    def stop_watching_threads(self) -> None:
+        for fd in self._thread_pidfds:
+            os.close(fd)
+        self._thread_pidfds = []
+
     def poll(self) -> int | None:
         code = self.popen.poll()
         if code is not None and self._pidfd is not None:
             os.close(self._pidfd)
             self._pidfd = None
+            self.stop_watching_threads()
         return code
 
     def send_signal(self, sig: int) -> bool:

@@ -1,8 +1,8 @@
 """The supervisor's run loop: one zmq poller over everything that can wake it.
 
-    child pidfds (exit)  |  heartbeat PULL  |  control ROUTER  |  signal wakeup fd
+    child pidfds (exit), engines' thread pidfds (exiting)  |  heartbeat PULL  |  control ROUTER  |  signal wakeup fd
                          v
-                  Supervisor.on_exit / on_heartbeat / admin execute / stop, reload
+                  Supervisor.on_exit / on_exiting / on_heartbeat / admin execute / stop, reload
                          v
                   Supervisor.tick() -> next deadline -> poll timeout
 
@@ -105,6 +105,7 @@ class SupervisorLoop:
         for sock in control.sockets:
             self._poller.register(sock, zmq.POLLIN)
         self._children: dict[int, object] = {}  # pidfd -> child
+        self._sentinels: dict[int, object] = {}  # thread pidfd (exit sentinel) -> child
         self.num_iterations = 0
 
     # -- signals ------------------------------------------------------------------------
@@ -142,15 +143,19 @@ class SupervisorLoop:
 
     # -- the loop -----------------------------------------------------------------------
     def _sync_children(self) -> None:
-        live = {child.fileno(): child for child in self.supervisor.live_children()}
-        for fd in list(self._children):
-            if fd not in live or live[fd] is not self._children[fd]:
-                self._poller.unregister(fd)
-                del self._children[fd]
-        for fd, child in live.items():
-            if fd not in self._children:
-                self._poller.register(fd, zmq.POLLIN)
-                self._children[fd] = child
+        children = self.supervisor.live_children()
+        live = {child.fileno(): child for child in children}
+        sentinels = {fd: child for child in children
+                     for fd in (child.exit_sentinels() if hasattr(child, "exit_sentinels") else ())}
+        for registered, wanted in ((self._children, live), (self._sentinels, sentinels)):
+            for fd in list(registered):
+                if fd not in wanted or wanted[fd] is not registered[fd]:
+                    self._poller.unregister(fd)
+                    del registered[fd]
+            for fd, child in wanted.items():
+                if fd not in registered:
+                    self._poller.register(fd, zmq.POLLIN)
+                    registered[fd] = child
 
     def run(self) -> int:
         from engine.heartbeat import decode
@@ -175,6 +180,13 @@ class SupervisorLoop:
                 except BlockingIOError:
                     pass
             self._handle_signals()
+            for child in {id(c): c for fd, c in self._sentinels.items() if fd in events}.values():
+                # Level-triggered and final: stop watching (no busy poll until the reap).
+                for fd in [fd for fd, c in self._sentinels.items() if c is child]:
+                    self._poller.unregister(fd)
+                    del self._sentinels[fd]
+                child.stop_watching_threads()
+                sup.on_exiting(child)
             for fd, child in list(self._children.items()):
                 if fd in events:
                     sup.on_exit(child)

@@ -96,6 +96,7 @@ class Slot:
     kill_at: float | None = None       # STOPPING: when to SIGKILL
     after_exit: str = ""               # "restart" | "drain" | "remove" | "frontend" | "stop"
     kill_reason: str = ""              # why the supervisor killed it (hung, ...)
+    death_reported: bool = False       # ENGINE_CORE_DEAD sent early (exit sentinels)
     reason: str = ""                   # last exit or hold-off, for status
     extra_config: dict[str, Any] = field(default_factory=dict)  # e.g. reused kv figure
     heartbeat: Any = None              # the engine's last engine.heartbeat.Heartbeat
@@ -209,13 +210,12 @@ class Supervisor:
         log = self._slot_log(slot)
         if slot.key != FRONTEND_KEY:
             # First, before anything else: the frontend must stop waiting on this engine.
-            if self._frontend_up():
-                self.report_dead(slot.engine_id, child.pid, reason)
-                self.num_deaths_reported += 1
+            if not slot.death_reported:
+                self._report_dead(slot, reason)
             self.hang.forget(slot.engine_id)
             if self.ep is not None:
                 self._forget_ep_engine(slot.engine_id)
-        after, slot.after_exit, slot.kill_reason = slot.after_exit, "", ""
+        after, slot.after_exit, slot.kill_reason, slot.death_reported = slot.after_exit, "", "", False
         slot.child, slot.heartbeat, slot.kill_at, slot.started_at = None, None, None, None
         slot.reason = reason
         log.log(logging.INFO if after else logging.WARNING, "exited", reason=reason,
@@ -240,6 +240,20 @@ class Supervisor:
             self._decide(slot)
         self._update_scale_op()
         self._notify_status()
+
+    def on_exiting(self, child: Child) -> None:
+        """An exit sentinel of ``child`` fired: its threads are gone, the kernel is still
+        freeing its memory. Report the engine dead now; ``on_exit`` reaps it later."""
+        slot = next((s for s in self.engines.values() if s.child is child), None)
+        if slot is None or slot.death_reported:
+            return
+        self._report_dead(slot, slot.kill_reason or "the engine process is exiting (its threads ended)")
+
+    def _report_dead(self, slot: Slot, reason: str) -> None:
+        if self._frontend_up():
+            self.report_dead(slot.engine_id, slot.pid, reason)
+            self.num_deaths_reported += 1
+        slot.death_reported = True
 
     def _forget_ep_engine(self, engine_id: int) -> None:
         """Delete a dead engine's etcd record now (its lease would expire anyway), so the
@@ -300,6 +314,9 @@ class Supervisor:
             return  # an older incarnation, or a removed engine
         now = self.clock()
         slot.heartbeat = beat
+        if beat.exit_sentinel_tids and not getattr(slot.child, "watched_tids", True):
+            watched = slot.child.watch_threads(beat.exit_sentinel_tids)
+            self._slot_log(slot).debug("exit sentinels", watched=watched)
         self.hang.observe(slot.engine_id, beat.step_counter, beat.has_work, now)
         if slot.state is SlotState.STARTING and beat.state == "running":
             slot.state = SlotState.RUNNING

@@ -9,6 +9,13 @@ counter that does not move while ``has_work`` is true: that is what the supervis
 hang detector looks for. A SIGSTOPped process sends nothing; the detector's last known
 state ("has work, no progress") catches that too. Sends never block: with no supervisor
 listening a heartbeat is dropped (``IMMEDIATE`` + ``SNDHWM`` 4 + ``NOBLOCK``).
+
+Exit sentinels: the thread also starts ``NUM_EXIT_SENTINELS`` threads that block for the
+life of the process and names their thread ids in every beat. The supervisor opens a
+thread pidfd (``PIDFD_THREAD``, Linux 6.9+) on each: when the process is killed, its
+threads exit at once, long before the kernel has torn down the address space and the
+process pidfd fires (tens to hundreds of ms for an engine holding GBs of weights and KV
+cache), so a SIGKILLed engine is reported dead in about a millisecond.
 """
 
 from __future__ import annotations
@@ -36,10 +43,24 @@ class Heartbeat(msgspec.Struct, kw_only=True, omit_defaults=True):
     num_kv_blocks: int = 0
     kv_source: str = ""
     timestamp: float = 0.0  # the engine's time.time(), for logs only
+    exit_sentinel_tids: list[int] = []  # threads that end only when the process does
 
 
+NUM_EXIT_SENTINELS = 2
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Heartbeat)
+
+
+def start_exit_sentinels(num: int = NUM_EXIT_SENTINELS) -> list[int]:
+    """Start ``num`` daemon threads that wait for ever; returns their native thread ids.
+    They end only when the process ends (exit or signal), which is what makes their
+    exit a death sentinel. Two, so one of them is not the thread that tears down memory."""
+    forever = threading.Event()
+    threads = [threading.Thread(target=forever.wait, name=f"exit-sentinel-{i}", daemon=True)
+               for i in range(num)]
+    for t in threads:
+        t.start()
+    return [t.native_id for t in threads]
 
 
 def encode(beat: Heartbeat) -> bytes:
@@ -62,6 +83,7 @@ class HeartbeatThread(threading.Thread):
         self.snapshot = snapshot
         self._ctx = ctx
         self._stop_event = threading.Event()
+        self.exit_sentinel_tids: list[int] = []
 
     def stop(self) -> None:
         self._stop_event.set()
@@ -72,10 +94,14 @@ class HeartbeatThread(threading.Thread):
         sock.setsockopt(zmq.IMMEDIATE, 1)
         sock.setsockopt(zmq.SNDHWM, 4)
         sock.connect(self.address)
+        if not self.exit_sentinel_tids:
+            self.exit_sentinel_tids = start_exit_sentinels()
         try:
             while True:
                 try:
-                    sock.send(encode(self.snapshot()), zmq.NOBLOCK)
+                    beat = self.snapshot()
+                    beat.exit_sentinel_tids = self.exit_sentinel_tids
+                    sock.send(encode(beat), zmq.NOBLOCK)
                 except zmq.Again:
                     pass  # no supervisor connected: heartbeats are not worth queueing
                 except Exception:  # a snapshot bug must not kill the thread silently

@@ -125,6 +125,23 @@ def test_engine_death_is_reported_first_then_restarted_with_backoff():
     assert sup.status()["engines"][0]["reason"] == "exit code 1"
 
 
+def test_exit_sentinel_reports_the_death_once_before_the_reap():
+    sup, spawner, _, _, deaths = make()
+    child = engine_child(spawner, 0)
+    watched: list = []
+    child.watched_tids = []
+    child.watch_threads = lambda tids: watched.extend(tids) or len(tids)
+    sup.on_heartbeat(Heartbeat(engine_index=0, pid=child.pid, step_counter=0, has_work=False,
+                               state="running", exit_sentinel_tids=[7, 8]))
+    assert watched == [7, 8]
+    sup.on_exiting(child)  # threads gone, memory not yet freed: report now
+    assert deaths == [(0, child.pid, "the engine process is exiting (its threads ended)")]
+    assert sup.engines[0].state is SlotState.RUNNING  # not reaped yet: no restart decided
+    die(sup, child)
+    assert len(deaths) == 1  # the reap does not report it twice
+    assert sup.engines[0].state is SlotState.BACKOFF and not sup.engines[0].death_reported
+
+
 def test_heartbeat_of_an_older_incarnation_is_ignored():
     sup, spawner, _, _, _ = make()
     old = engine_child(spawner, 0)

@@ -333,15 +333,16 @@ def test_sigkilled_engine_is_reported_at_once_and_restarted(daemon):
     assert seen_at >= killed_at, daemon.logs()
     latency_ms = (seen_at - killed_at) * 1000
     print(f"SIGKILL -> frontend saw ENGINE_CORE_DEAD: {latency_ms:.0f} ms")
-    assert 0 <= latency_ms < 250, latency_ms
-    # Of that, the supervisor's part (pidfd readable -> ENGINE_CORE_DEAD on the frontend's
-    # PULL) is what the supervisor controls; the rest is the kernel tearing the process
-    # down before its pidfd fires (tens of ms for a process with torch loaded).
+    # The engine's exit sentinels (thread pidfds) fire as soon as its threads are gone,
+    # long before the kernel has freed its memory and the process pidfd fires.
+    assert 0 <= latency_ms < 50, latency_ms
+    # Of that, the supervisor's part (sentinel readable -> ENGINE_CORE_DEAD on the
+    # frontend's PULL) is what the supervisor controls.
     sent = [json.loads(line) for line in daemon.log_path.read_text().splitlines()
             if '"reported engine death' in line and f'"pid": {victim["pid"]}' in line]
     assert sent, daemon.logs()
     report_ms = (seen_at - sent[-1]["sent_at"]) * 1000
-    print(f"kernel teardown + detection {1000 * (sent[-1]['sent_at'] - killed_at):.0f} ms, "
+    print(f"kill -> detection {1000 * (sent[-1]['sent_at'] - killed_at):.0f} ms, "
           f"supervisor send -> frontend {report_ms:.0f} ms")
     assert report_ms < 50, report_ms
     status = daemon.wait_all_up()
