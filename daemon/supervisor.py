@@ -214,7 +214,7 @@ class Supervisor:
                 self._report_dead(slot, reason)
             self.hang.forget(slot.engine_id)
             if self.ep is not None:
-                self._forget_ep_engine(slot.engine_id)
+                self._forget_ep_engine(slot.engine_id, child.pid)
         after, slot.after_exit, slot.kill_reason, slot.death_reported = slot.after_exit, "", "", False
         slot.child, slot.heartbeat, slot.kill_at, slot.started_at = None, None, None, None
         slot.reason = reason
@@ -255,20 +255,22 @@ class Supervisor:
             self.num_deaths_reported += 1
         slot.death_reported = True
 
-    def _forget_ep_engine(self, engine_id: int) -> None:
+    def _forget_ep_engine(self, engine_id: int, pid: int | None) -> None:
         """Delete a dead engine's etcd record now (its lease would expire anyway), so the
-        leader re-forms the group without waiting a TTL. Off the loop thread: etcd may be down."""
+        leader re-forms the group without waiting a TTL; never the record its restarted
+        incarnation may have written meanwhile. Off the loop thread: etcd may be down."""
         import threading
 
         from daemon.launch import ep_engine_id
+        from elastic.membership import forget_engine
 
-        key = self.ep.membership.layout.engine(ep_engine_id(self.config, engine_id))
+        eid = ep_engine_id(self.config, engine_id)
 
         def delete() -> None:
             try:
-                self.ep.membership.client.delete(key)
+                forget_engine(self.ep.membership.client, self.ep.membership.layout, eid, pid)
             except Exception as exc:  # etcd down: the lease expiry removes it later
-                self.log.warning("engine record not deleted", key=key, error=str(exc))
+                self.log.warning("engine record not deleted", engine=eid, error=str(exc))
 
         threading.Thread(target=delete, name="ep-forget", daemon=True).start()
 

@@ -24,6 +24,7 @@ import zmq
 from elastic.cluster import EPNode, ProcessLauncher
 from elastic.etcd_server import EmbeddedEtcd
 from elastic.keys import KeyLayout
+from elastic.membership import forget_engine
 
 
 def free_port() -> int:
@@ -103,7 +104,7 @@ class EPDeployment:
                 if p.returncode != 0:  # a clean exit (scale-down) already said goodbye
                     report(self.launcher.index_of[eid], p.pid, f"engine exited with {p.returncode}")
                 try:
-                    self.node.membership.client.delete(layout.engine(eid))
+                    forget_engine(self.node.membership.client, layout, eid, p.pid)
                 except Exception:  # etcd down: the engine's lease expires on its own
                     pass
         report.close()
@@ -111,7 +112,7 @@ class EPDeployment:
     def epoch(self):
         return self.node.controller.epochs.read_epoch()[0]
 
-    def wait_serving(self, world_size: int, timeout_s: float = 120, newer_than: int = 0):
+    def wait_serving(self, world_size: int, timeout_s: float = 120, newer_than: int = 0, poll_s: float = 0.1):
         t0 = time.time()
         while time.time() - t0 < timeout_s:
             try:
@@ -125,7 +126,7 @@ class EPDeployment:
                     and self.node.controller.desired.active_op() is None \
                     and self.frontend_healthy() >= world_size:
                 return ep, time.time() - t0
-            time.sleep(0.1)
+            time.sleep(poll_s)
         raise TimeoutError(f"no serving epoch of {world_size} ranks within {timeout_s} s; "
                            f"controller: {self.node.controller.last_action}")
 

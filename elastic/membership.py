@@ -366,3 +366,26 @@ class Membership:
                 listener(old, new)
             except Exception:  # noqa: BLE001 - a listener bug must not stop the keepalive
                 log.exception("lease_listener_failed", node_id=self.node_id)
+
+
+def forget_engine(client: Any, layout: KeyLayout, engine_id: str, pid: int | None) -> bool:
+    """Delete ``engines/<engine_id>`` if it is still the record of process ``pid`` (a dead
+    engine's, deleted at once so the leader need not wait for its lease). A record written
+    meanwhile by the engine's next incarnation is kept: compare-and-delete on the key's mod
+    revision. Returns whether it deleted; raises EtcdUnavailableError when etcd is down."""
+    key = layout.engine(engine_id)
+    with etcd_call(f"read {key}"):
+        value, meta = client.get(key)
+    if value is None:
+        return False
+    try:
+        record = decode(key, value, EngineRecord)
+    except Exception:  # noqa: BLE001 - an undecodable record is nobody's: delete it
+        record = None
+    if record is not None and pid is not None and record.addresses.get("pid") not in (None, str(pid)):
+        return False  # a newer incarnation's record
+    tx = client.transactions
+    with etcd_call(f"delete {key}"):
+        ok, _ = client.transaction(compare=[tx.mod(key) == meta.mod_revision], success=[tx.delete(key)],
+                                   failure=[])
+    return bool(ok)

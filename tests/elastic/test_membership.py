@@ -207,3 +207,18 @@ def test_watch_engines_sees_puts_and_deletes(make_membership):
     assert events[0][0] == "e0" and events[0][1] is not None       # initial contents
     assert events[1][0] == "e1" and events[1][1].state is EngineState.READY
     assert events[2] == ("e0", None)
+
+
+def test_forget_engine_deletes_only_the_dead_incarnations_record(make_membership, client, cluster):
+    from elastic.keys import EngineRecord, EngineState
+    from elastic.membership import forget_engine
+
+    m = make_membership("engine-e1")
+    layout = m.layout
+    m.put_engine(EngineRecord(engine_id="e1", node_id="n", state=EngineState.SERVING, addresses={"pid": "111"}))
+    # The supervisor saw pid 100 die, but pid 111 (the restarted engine) wrote the record since.
+    assert not forget_engine(client, layout, "e1", 100)
+    assert client.get(layout.engine("e1"))[0] is not None
+    assert forget_engine(client, layout, "e1", 111)
+    assert client.get(layout.engine("e1"))[0] is None
+    assert not forget_engine(client, layout, "e1", 111)  # nothing left to delete

@@ -83,7 +83,7 @@ def test_sigkilled_rank_is_reformed_around_and_rejoins(daemon, reference):
     s = daemon.wait(lambda s: (s.get("ep") or {}).get("epoch", 0) > epoch0
                     and s["ep"]["world_size"] == 1, 60, "a re-formed group of 1")
     s = daemon.wait(lambda s: _group(s, 2) and s["ep"]["epoch"] > epoch0 + 1, 180, "rejoined group of 2")
-    assert s["engines"][1]["restarts"] == 1
+    assert s["engines"][1]["restarts"] == 1, (s["engines"][1], daemon.logs())
     # The restarted rank took the group's KV figure instead of profiling again.
     assert s["engines"][1]["kv_source"] == "reused"
     assert s["ep"]["engines"][s["ep"]["ranks"][1]]["kv_source"] == "reused"
