@@ -12,6 +12,7 @@ the processes are watched and restarted like any other child.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -32,14 +33,21 @@ from elastic.keys import NodeInfo
 from elastic.membership import Membership
 
 log = structlog.get_logger("planaria.elastic.cluster")
+MIN_TICK_S = 0.005
 
 
 class ProcessLauncher:
-    """Spawns EP engine processes (real processes, new session, stopped by pid)."""
+    """Spawns EP engine processes (real processes, new session, stopped by pid).
+
+    ``standby(True)`` keeps one standby process (elastic/standby.py) warm: a launch hands it
+    its assignment instead of starting an interpreter, and a new standby is started
+    ``standby_delay_s`` later (not at once: its imports would compete for the CPU with the
+    engine that is joining)."""
 
     def __init__(self, *, model_dir: str, engine_config: dict, input_addr: str, etcd_endpoints: list[str],
                  cluster: str, node_id: str, log_dir: Path, env: dict | None = None,
-                 lease_ttl_s: float = 3.0, collective_timeout_s: float = 10.0, etcd_security=None) -> None:
+                 lease_ttl_s: float = 3.0, collective_timeout_s: float = 10.0, etcd_security=None,
+                 standby_delay_s: float = 10.0) -> None:
         self.model_dir, self.engine_config, self.input_addr = model_dir, engine_config, input_addr
         self.etcd_endpoints, self.cluster, self.node_id = etcd_endpoints, cluster, node_id
         self.log_dir = Path(log_dir)
@@ -50,6 +58,19 @@ class ProcessLauncher:
         self.index_of: dict[str, int] = {}
         self._next_index = 0
         self.launch_times: dict[str, float] = {}
+        self.launched_from_standby: set[str] = set()
+        self.standby_delay_s = standby_delay_s
+        self._standby_on = False
+        self._spare: tuple[subprocess.Popen, Path] | None = None
+        self._spares_made = 0
+        self._lock = threading.Lock()
+        self._timer: threading.Timer | None = None
+
+    def _env(self) -> dict:
+        env = dict(os.environ if self.env is None else self.env)
+        if self.etcd_security is not None:  # TLS files and user via env; never a password on argv
+            env.update(self.etcd_security.to_env())
+        return env
 
     def __call__(self, engine_id: str, kv_cache_bytes: int | None) -> None:
         config = dict(self.engine_config, model=self.model_dir)
@@ -58,24 +79,84 @@ class ProcessLauncher:
         index = self._next_index
         self._next_index += 1
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        out = open(self.log_dir / f"{engine_id}.log", "ab")
-        cmd = [sys.executable, "-m", "elastic.ep_proc", "--engine-index", str(index), "--engine-id", engine_id,
-               "--node-id", self.node_id, "--input-addr", self.input_addr,
-               "--config-json", msgspec.json.encode(config).decode(),
-               "--etcd-endpoints", ",".join(self.etcd_endpoints), "--cluster", self.cluster,
-               "--lease-ttl-s", str(self.lease_ttl_s), "--collective-timeout-s", str(self.collective_timeout_s)]
-        env = dict(os.environ if self.env is None else self.env)
-        if self.etcd_security is not None:  # TLS files and user via env; never a password on argv
-            env.update(self.etcd_security.to_env())
-        self.procs[engine_id] = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env,
-                                                 start_new_session=True)
-        out.close()
+        log_path = self.log_dir / f"{engine_id}.log"
+        args = ["--engine-index", str(index), "--engine-id", engine_id,
+                "--node-id", self.node_id, "--input-addr", self.input_addr,
+                "--config-json", msgspec.json.encode(config).decode(),
+                "--etcd-endpoints", ",".join(self.etcd_endpoints), "--cluster", self.cluster,
+                "--lease-ttl-s", str(self.lease_ttl_s), "--collective-timeout-s", str(self.collective_timeout_s)]
+        proc = self._assign_spare(args, log_path)
+        if proc is not None:
+            self.launched_from_standby.add(engine_id)
+        else:
+            with open(log_path, "ab") as out:
+                proc = subprocess.Popen([sys.executable, "-m", "elastic.ep_proc", *args], stdout=out,
+                                        stderr=subprocess.STDOUT, env=self._env(), start_new_session=True)
+        self.procs[engine_id] = proc
         self.index_of[engine_id] = index
         self.launch_times[engine_id] = time.time()
-        log.info("launched EP engine", engine_id=engine_id, index=index, pid=self.procs[engine_id].pid,
-                 kv_cache_bytes=kv_cache_bytes)
+        log.info("launched EP engine", engine_id=engine_id, index=index, pid=proc.pid,
+                 kv_cache_bytes=kv_cache_bytes, standby=engine_id in self.launched_from_standby)
+
+    # -- the standby process ------------------------------------------------------------------
+    def standby(self, on: bool = True) -> None:
+        """Keep one warm standby process (on), or release it (off)."""
+        self._standby_on = on
+        if on:
+            self._make_spare()
+        else:
+            with self._lock:
+                spare, self._spare = self._spare, None
+            if spare is not None:
+                _release(spare[0])
+
+    def standby_ready(self) -> bool:
+        """A standby process is up and has finished warming up."""
+        with self._lock:
+            spare = self._spare
+        if spare is None or spare[0].poll() is not None:
+            return False
+        try:
+            return "waiting for an assignment" in spare[1].read_text(errors="replace")
+        except OSError:
+            return False
+
+    def _make_spare(self) -> None:
+        with self._lock:
+            if not self._standby_on or (self._spare is not None and self._spare[0].poll() is None):
+                return
+            self._spares_made += 1
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+            path = self.log_dir / f"standby-{self._spares_made}.log"
+            with open(path, "ab") as out:
+                proc = subprocess.Popen([sys.executable, "-m", "elastic.standby", "--model", self.model_dir],
+                                        stdin=subprocess.PIPE, stdout=out, stderr=subprocess.STDOUT,
+                                        env=self._env(), start_new_session=True)
+            self._spare = (proc, path)
+
+    def _assign_spare(self, args: list[str], log_path: Path) -> subprocess.Popen | None:
+        with self._lock:
+            spare, self._spare = self._spare, None
+        if spare is None or spare[0].poll() is not None:
+            return None
+        proc, path = spare
+        try:
+            proc.stdin.write((json.dumps(args) + "\n").encode())
+            proc.stdin.close()
+        except OSError:
+            _release(proc)
+            return None
+        path.rename(log_path)  # it keeps writing to the same file, under the engine's name
+        if self._standby_on:
+            self._timer = threading.Timer(self.standby_delay_s, self._make_spare)
+            self._timer.daemon = True
+            self._timer.start()
+        return proc
 
     def stop_all(self, timeout_s: float = 10.0) -> None:
+        self.standby(False)
+        if self._timer is not None:
+            self._timer.cancel()
         for p in self.procs.values():
             if p.poll() is None:
                 p.terminate()
@@ -86,6 +167,16 @@ class ProcessLauncher:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
+
+
+def _release(proc: subprocess.Popen) -> None:
+    """Let an unassigned standby go (EOF on its stdin), by pid if it does not."""
+    try:
+        proc.stdin.close()
+        proc.wait(10)
+    except (OSError, subprocess.TimeoutExpired):
+        proc.kill()
+        proc.wait()
 
 
 class EPNode:
@@ -111,6 +202,7 @@ class EPNode:
         self.kv_figure: int | None = None  # the group's KV figure (kv_budget), for restarts
         self._kv_read_at = 0.0
         self._stop = threading.Event()
+        self._wake = threading.Event()  # set on any change under the cluster's prefix
         self._thread = threading.Thread(target=self._run, name="ep-controller", daemon=True)
 
     def start(self) -> "EPNode":
@@ -123,7 +215,14 @@ class EPNode:
         return self
 
     def _run(self) -> None:
-        while not self._stop.wait(self.tick_s):
+        # The controller acts on a change in etcd at once (an engine READY, desired, a
+        # failure report), and every tick_s regardless (timeouts, etcd coming back).
+        self.membership.watch_prefix(self.membership.layout.prefix, lambda _events: self._wake.set())
+        while not self._stop.is_set():
+            self._wake.wait(self.tick_s)
+            self._wake.clear()
+            if self._stop.wait(MIN_TICK_S):  # a burst of changes makes one tick
+                break
             try:
                 self._refresh_kv_figure()
                 self.controller.tick()
@@ -150,6 +249,7 @@ class EPNode:
 
     def stop(self) -> None:
         self._stop.set()
+        self._wake.set()
         self._thread.join(5)
         self.election.stop()
         self.membership.close(revoke=True)

@@ -1,0 +1,67 @@
+"""A standby EP engine process: started ahead of need, imports and warms up, then waits
+for its assignment. A scale-up that finds one ready skips the interpreter start and the
+imports (torch, transformers, and torch._dynamo + sympy, which building the model pulls
+in: about 2-5 s on a CPU host, most of a reused-KV join), and goes straight to its weights.
+
+    python -m elastic.standby --model DIR
+    stdin: one line, the JSON list of `python -m elastic.ep_proc` arguments (the
+    assignment: engine id, addresses, config with the reused KV figure, ...); EOF exits 0.
+
+Nothing model-specific is loaded before the assignment: the process reads the model's
+config only (so the config code is warm) and holds no weights, no KV cache and no socket.
+Credentials (PLANARIA_ETCD_*) come from its environment, like any engine's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import sys
+import time
+
+
+def warm_up(model_dir: str) -> float:
+    """Import and touch what an EP engine's start-up needs; returns the seconds it took."""
+    t0 = time.monotonic()
+    import torch
+    import torch._dynamo  # noqa: F401 - building the model under a device context imports it
+    import torch.distributed  # noqa: F401
+
+    import elastic.ep_proc  # noqa: F401 - the engine process itself, and everything it imports
+    import engine.core  # noqa: F401 - imported lazily by make_ep_core (structlog, rich, ...)
+    from engine.models.loader import load_hf_config, spec_from_config
+
+    spec_from_config(load_hf_config(model_dir))
+    with torch.device("cpu"):
+        torch.nn.Embedding(8, 8)  # the init path a model build takes, once
+    torch.nn.functional.linear(torch.zeros(2, 8), torch.zeros(8, 8)).sum()
+    gc.collect()  # what the engine would do after loading: its own collection then finds little
+    gc.freeze()
+    return time.monotonic() - t0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m elastic.standby", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True, help="the cluster's model directory (config only is read)")
+    args = p.parse_args(argv)
+    warm_s = warm_up(args.model)
+    print(f"standby: warm after {warm_s:.2f} s; waiting for an assignment", flush=True)
+    line = sys.stdin.readline()
+    if not line.strip():
+        return 0  # released unused
+    try:
+        assignment = json.loads(line)
+        if not isinstance(assignment, list) or not all(isinstance(a, str) for a in assignment):
+            raise ValueError("the assignment must be a JSON list of strings")
+    except ValueError as exc:
+        print(f"elastic.standby: bad assignment: {exc}", file=sys.stderr)
+        return 2
+    from elastic.ep_proc import main as engine_main
+
+    return engine_main(assignment)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
