@@ -17,8 +17,10 @@ import threading
 from collections.abc import Callable
 import structlog
 
+import grpc
+
 from elastic.errors import EtcdUnavailableError
-from elastic.etcd_client import etcd_call
+from elastic.etcd_client import etcd_call, is_lease_not_found
 from elastic.membership import Membership
 from elastic.watch import DELETE, KeyWatch, WatchEvent
 
@@ -83,11 +85,19 @@ class LeaderElection:
         """
         lease_id = self._membership.ensure_lease()
         tx = self._client.transactions
-        with etcd_call("campaign"):
-            won, responses = self._client.transaction(
-                compare=[tx.create(self._key) == 0],
-                success=[tx.put(self._key, self._node_id, lease=lease_id), tx.get(self._key)],
-                failure=[tx.get(self._key)])
+        try:
+            with etcd_call("campaign"):
+                won, responses = self._client.transaction(
+                    compare=[tx.create(self._key) == 0],
+                    success=[tx.put(self._key, self._node_id, lease=lease_id), tx.get(self._key)],
+                    failure=[tx.get(self._key)])
+        except grpc.RpcError as exc:
+            if not is_lease_not_found(exc):
+                raise EtcdUnavailableError("campaign", exc) from exc
+            # Our lease ran out while we were not looking (paused, or etcd was away): it is
+            # re-granted on the next try; meanwhile we are not leader.
+            self._membership.lease_lost(lease_id, "lease not found on campaign")
+            raise EtcdUnavailableError("campaign", exc, detail="the lease had expired; re-granting") from exc
         kvs = responses[-1] if responses else []
         token = None
         if kvs:
@@ -145,6 +155,8 @@ class LeaderElection:
                     self.campaign()
                 except EtcdUnavailableError as exc:
                     log.debug("campaign_failed", node_id=self._node_id, error=str(exc))
+                except Exception:  # noqa: BLE001 - the campaign loop must outlive any one failure
+                    log.exception("campaign_crashed", node_id=self._node_id)
             self._report()
             self._wake.wait(self._retry_interval_s)
             self._wake.clear()

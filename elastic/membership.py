@@ -314,6 +314,11 @@ class Membership:
             self._connected = False
             return False
 
+    def lease_lost(self, lease_id: int, reason: str) -> None:
+        """A user of the lease (a transaction on it) found it gone: drop it, re-grant later."""
+        self._lease_lost(lease_id, reason)
+        self._wake.set()
+
     def _lease_lost(self, lease_id: int, reason: str) -> None:
         with self._lock:
             if self._lease_id != lease_id:

@@ -224,3 +224,20 @@ def test_racing_processes_exactly_one_leader(etcd_server, client, cluster):
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
+
+
+def test_campaign_on_an_expired_lease_regrants_instead_of_crashing(etcd_server, client, cluster):
+    """A node paused past its TTL campaigns with a lease etcd no longer has: that is an
+    EtcdUnavailableError for the loop to retry (never a raw gRPC error that would end the
+    election thread), and the next try runs on a new lease."""
+    m = Membership.from_endpoints(etcd_server.endpoint, cluster, "paused", ttl_s=TTL_S)  # no keepalive
+    try:
+        e = LeaderElection(m)
+        old = m.ensure_lease()
+        client.revoke_lease(old)  # what expiry does while the process is stopped
+        with pytest.raises(EtcdUnavailableError, match="lease had expired"):
+            e.campaign()
+        assert e.campaign() is True
+        assert m.lease_id != old and e.is_leader
+    finally:
+        m.close()

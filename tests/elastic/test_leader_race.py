@@ -30,7 +30,7 @@ REPO = Path(__file__).resolve().parents[2]
 TTL_S = 2
 
 _CONTROLLER = """
-import os, signal, sys, time
+import os, signal, sys, threading, time
 from pathlib import Path
 from elastic.cluster import EPNode
 endpoint, cluster, node_id, model, rendezvous, pause_file, start_at = sys.argv[1:8]
@@ -42,7 +42,10 @@ def write_epoch(epoch, rev, token, *rest):
     if epoch.number >= 2 and Path(pause_file).exists():   # pause between deciding and writing
         Path(pause_file).unlink()
         print("PAUSED_BEFORE_WRITE", epoch.number, token, flush=True)
-        os.kill(os.getpid(), signal.SIGSTOP)
+        # Thread-directed, then a syscall: this thread stops here, before the write is sent
+        # (a process-directed SIGSTOP may let it run on into the RPC for a moment).
+        signal.pthread_kill(threading.get_ident(), signal.SIGSTOP)
+        time.sleep(0.2)
         print("RESUMED", flush=True)
     try:
         out = real_write(epoch, rev, token, *rest)
@@ -162,6 +165,10 @@ def test_two_controllers_race_and_a_paused_leader_is_fenced(etcd_server, client,
         assert meta.mod_revision == meta_b.mod_revision  # nothing overwrote epoch 2
         assert not leader.said("EPOCH_WRITTEN 2") and not any(
             line.split()[1] != "1" for line in leader.said("EPOCH_WRITTEN"))
+        # The old leader's election went on campaigning through its expired lease: when the
+        # new leader goes, it leads again.
+        other.stop()
+        assert wait_for(lambda: (client.get(layout.leader)[0] or b"").decode() == leader_id, timeout_s=TTL_S + 5)
     finally:
         for c in nodes:
             c.stop()
