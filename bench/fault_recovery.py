@@ -5,7 +5,8 @@
 
 Stack (bench/serve_stack.py): the shipped daemon, ``python -m daemon.cli serve`` on the
 tiny-moe demo model with N engine cores and the HTTP frontend on a free loopback port.
-Its supervisor notices the death (the engine's pidfd turns readable), pushes
+Its supervisor notices the death (the engine's exit-sentinel thread pidfds turn
+readable as its threads die; its process pidfd once the kernel has freed it), pushes
 ENGINE_CORE_DEAD to the frontend's PULL socket, and restarts the engine; the frontend
 replays the lost requests on a survivor. Nothing is stood in for.
 
