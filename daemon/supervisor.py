@@ -23,49 +23,24 @@ What it does:
 
 from __future__ import annotations
 
-import enum
 import itertools
 import logging
 import signal
-from dataclasses import dataclass, field
-from typing import Any, Callable, Hashable, Protocol
+from typing import Any, Callable, Protocol
 
 from daemon.children import Child, ChildSpec, describe_exit
 from daemon.config import ServeConfig, live_changes
+from daemon.ep_supervisor import EPSupervisor
 from daemon.errors import (BadArgumentError, ConflictError, UnavailableError,
                            UnknownEngineError)
 from daemon.hang_detector import HangDetector
-from daemon.launch import FRONTEND_KEY, Launcher, ep_engine_id, engine_key
+from daemon.launch import FRONTEND_KEY, Launcher, engine_key
 from daemon.logging import get_logger
 from daemon.restart_policy import GiveUp, HoldOff, RestartAt, RestartNow
+from daemon.slot import ScaleOp, Slot, SlotState
 
 EXIT_OK, EXIT_FAILURE = 0, 1
 EXIT_CONFIG = 2  # every engine was refused for its configuration: restarting cannot help
-
-
-class SlotState(str, enum.Enum):
-    """Lifecycle of a child slot (an engine id, or the frontend), as the supervisor sees it.
-
-    STARTING (spawned) -> RUNNING (engine: a heartbeat says it serves; frontend: an
-    engine reached it); STARTING|RUNNING -> STOPPING (SIGTERM sent; SIGKILL after
-    stop_timeout_s). On exit: planned restart -> STARTING; drain -> DRAINED; scale-down
-    -> the slot is removed; shutdown -> STOPPED; otherwise a failure -> BACKOFF (restart
-    due later, or flap hold-off) -> STARTING, or FAILED (retry limit reached). An engine
-    whose frontend is down waits in WAITING and starts with the next frontend. DRAINED
-    and FAILED engines start again on `planaria restart`.
-    """
-
-    STARTING = "starting"
-    RUNNING = "running"
-    STOPPING = "stopping"
-    BACKOFF = "backoff"
-    WAITING = "waiting"
-    DRAINED = "drained"
-    FAILED = "failed"
-    STOPPED = "stopped"
-
-
-LIVE = (SlotState.STARTING, SlotState.RUNNING, SlotState.STOPPING)
 
 
 class Spawner(Protocol):
@@ -84,39 +59,6 @@ class _NullNotifier:
     def status(self, text): return False
     def stopping(self, status=None): return False
     def reloading(self, status=None): return False
-
-
-@dataclass
-class Slot:
-    key: Hashable
-    state: SlotState = SlotState.WAITING
-    child: Child | None = None
-    started_at: float | None = None
-    due_at: float | None = None        # BACKOFF: when to start again
-    kill_at: float | None = None       # STOPPING: when to SIGKILL
-    after_exit: str = ""               # "restart" | "drain" | "remove" | "frontend" | "stop"
-    kill_reason: str = ""              # why the supervisor killed it (hung, ...)
-    death_reported: bool = False       # ENGINE_CORE_DEAD sent early (exit sentinels)
-    reason: str = ""                   # last exit or hold-off, for status
-    extra_config: dict[str, Any] = field(default_factory=dict)  # e.g. reused kv figure
-    heartbeat: Any = None              # the engine's last engine.heartbeat.Heartbeat
-    num_starts: int = 0
-
-    @property
-    def engine_id(self) -> int | None:
-        return self.key[1] if self.key != FRONTEND_KEY else None
-
-    @property
-    def pid(self) -> int | None:
-        return self.child.pid if self.child is not None else None
-
-
-@dataclass
-class ScaleOp:
-    op_id: int
-    target: int
-    adding: list[int]
-    removing: list[int]
 
 
 class Supervisor:
@@ -142,7 +84,7 @@ class Supervisor:
         self._ready_sent = False
         self._last_status = ""
         self.log = get_logger("planaria.supervisor")
-        self.ep = None  # elastic.cluster.EPNode when config.parallel == "ep" (set by serve)
+        self.ep: EPSupervisor | None = None  # the EP half when config.parallel == "ep" (set by serve)
 
     # -- views --------------------------------------------------------------------------
     def slots(self) -> list[Slot]:
@@ -182,7 +124,7 @@ class Supervisor:
             return
         if slot.key != FRONTEND_KEY and self.ep is not None and slot.num_starts > 0:
             # EP: a restarted rank takes the group's KV figure instead of profiling again.
-            slot.extra_config = self._ep_reused_kv_config(slot) or slot.extra_config
+            slot.extra_config = self.ep.reused_kv_config(self._kv_figures(but=slot)) or slot.extra_config
         slot.num_starts += 1
         spec = (self.launcher.frontend(len(self.engines)) if slot.key == FRONTEND_KEY
                 else self.launcher.engine(slot.engine_id, slot.extra_config))
@@ -214,7 +156,7 @@ class Supervisor:
                 self._report_dead(slot, reason)
             self.hang.forget(slot.engine_id)
             if self.ep is not None:
-                self._forget_ep_engine(slot.engine_id, child.pid)
+                self.ep.forget_engine(slot.engine_id, child.pid)
         after, slot.after_exit, slot.kill_reason, slot.death_reported = slot.after_exit, "", "", False
         slot.child, slot.heartbeat, slot.kill_at, slot.started_at = None, None, None, None
         slot.reason = reason
@@ -254,25 +196,6 @@ class Supervisor:
             self.report_dead(slot.engine_id, slot.pid, reason)
             self.num_deaths_reported += 1
         slot.death_reported = True
-
-    def _forget_ep_engine(self, engine_id: int, pid: int | None) -> None:
-        """Delete a dead engine's etcd record now (its lease would expire anyway), so the
-        leader re-forms the group without waiting a TTL; never the record its restarted
-        incarnation may have written meanwhile. Off the loop thread: etcd may be down."""
-        import threading
-
-        from daemon.launch import ep_engine_id
-        from elastic.membership import forget_engine
-
-        eid = ep_engine_id(self.config, engine_id)
-
-        def delete() -> None:
-            try:
-                forget_engine(self.ep.membership.client, self.ep.membership.layout, eid, pid)
-            except Exception as exc:  # etcd down: the lease expiry removes it later
-                self.log.warning("engine record not deleted", engine=eid, error=str(exc))
-
-        threading.Thread(target=delete, name="ep-forget", daemon=True).start()
 
     def _frontend_died(self) -> None:
         """The engines' handshake was with the dead frontend: restart them with the next."""
@@ -475,20 +398,19 @@ class Supervisor:
         self._notify_status()
         return {"engine_id": engine_id, "state": slot.state.value, "changed": True}
 
+    def _kv_figures(self, but: Slot | None = None) -> list[int]:
+        """The kv_cache_bytes of the serving engines (other than ``but``)."""
+        return [s.heartbeat.kv_cache_bytes for s in self.engines.values()
+                if s is not but and s.state is SlotState.RUNNING and s.heartbeat is not None
+                and s.heartbeat.kv_cache_bytes > 0]
+
     def reused_kv_cache_bytes(self) -> int | None:
         """The smallest kv_cache_bytes of the serving engines (a scale-up reuses it)."""
-        figures = [s.heartbeat.kv_cache_bytes for s in self.engines.values()
-                   if s.state is SlotState.RUNNING and s.heartbeat is not None
-                   and s.heartbeat.kv_cache_bytes > 0]
+        figures = self._kv_figures()
         if self.ep is not None:  # EP: the kv_budget registry's figure for the current group
-            try:
-                c = self.ep.controller
-                epoch = c.epochs.read_epoch()[0]
-                budget = c.kv.smallest_for_group(c.fp, c.device_kind, epoch.ranks if epoch else [])
-                if budget is not None:
-                    figures.append(budget.kv_cache_bytes)
-            except Exception as exc:  # etcd down: the engines' own figures still hold
-                self.log.warning("kv_budget not read", error=str(exc))
+            group = self.ep.group_kv_figure()
+            if group is not None:
+                figures.append(group)
         return min(figures) if figures else None
 
     def scale_to(self, target: Any) -> dict[str, Any]:
@@ -504,12 +426,12 @@ class Supervisor:
         current = len(self.engines)
         # EP: an aborted switch rolls etcd's desired back while the joiner's slot stays, so
         # the cluster's desired size, not the slot count, says whether anything changes.
-        ep_desired = self._ep_desired() if self.ep is not None else None
+        ep_desired = self.ep.desired() if self.ep is not None else None
         if target == current and ep_desired in (None, target):
             return {"engines": current, "target": target, "changed": False, "op_id": None}
-        ep_ranks = self._ep_ranks() if self.ep is not None else None
+        ep_ranks = self.ep.ranks() if self.ep is not None else None
         if self.ep is not None:
-            self._request_ep_scale(target)
+            self.ep.request_scale(target)
         op = ScaleOp(next(self._op_ids), target, adding=[], removing=[])
         if target > current:
             kv = self.reused_kv_cache_bytes()
@@ -524,7 +446,7 @@ class Supervisor:
                 slot = self.engines[engine_id]
                 op.removing.append(engine_id)
                 if slot.child is not None and self.ep is not None and (
-                        ep_ranks is None or ep_engine_id(self.config, engine_id) in ep_ranks):
+                        ep_ranks is None or self.ep.engine_id(engine_id) in ep_ranks):
                     # EP: the rank leaves on its own at the scale-down epoch, after its
                     # requests moved to survivors; then it exits 0 and is removed. (An
                     # engine in no epoch, e.g. the joiner of an aborted switch, is stopped.)
@@ -545,70 +467,9 @@ class Supervisor:
         return {"engines": current, "target": target, "changed": True, "op_id": op.op_id,
                 "adding": op.adding, "removing": op.removing}
 
-    def _ep_reused_kv_config(self, slot: Slot) -> dict[str, Any]:
-        """The smallest KV figure of the other serving engines and of the group's kv_budget
-        (EPNode keeps it fresh from etcd off this thread), as a "reused" engine config."""
-        figures = [s.heartbeat.kv_cache_bytes for s in self.engines.values()
-                   if s is not slot and s.state is SlotState.RUNNING and s.heartbeat is not None
-                   and s.heartbeat.kv_cache_bytes > 0]
-        if getattr(self.ep, "kv_figure", None):
-            figures.append(self.ep.kv_figure)
-        return {"kv_cache_bytes": min(figures), "kv_source": "reused"} if figures else {}
-
-    def _ep_desired(self) -> int | None:
-        """etcd's desired engine count (None: never set, or etcd unreachable)."""
-        try:
-            desired, _ = self.ep.controller.desired.read_desired()
-        except Exception as exc:  # etcd down: _request_ep_scale says so if it matters
-            self.log.warning("desired not read", error=str(exc))
-            return None
-        return desired.num_engines if desired is not None else None
-
-    def _ep_ranks(self) -> set[str] | None:
-        """The engine ids of the current epoch (None when etcd is unreachable)."""
-        try:
-            epoch = self.ep.controller.epochs.read_epoch()[0]
-        except Exception as exc:  # etcd down: every engine is assumed to be a rank
-            self.log.warning("epoch not read", error=str(exc))
-            return None
-        return set(epoch.ranks) if epoch is not None else set()
-
-    def _request_ep_scale(self, target: int) -> None:
-        from elastic.errors import EtcdError, ScaleConflictError
-
-        try:
-            self.ep.request_scale(target)
-        except ScaleConflictError as exc:
-            raise ConflictError(f"an expert-parallel scale operation is in progress: {exc}") from exc
-        except EtcdError as exc:
-            raise UnavailableError(f"etcd is unreachable, membership changes are frozen "
-                                   f"(serving goes on): {exc}") from exc
-
     def ep_status(self) -> dict[str, Any] | None:
-        """Epoch, ranks and the active operation from etcd (None when not EP / unreachable)."""
-        if self.ep is None:
-            return None
-        try:
-            epoch = self.ep.controller.epochs.read_epoch()[0]
-            records = {r.engine_id: r for r in self.ep.membership.list_engines()}
-            ops = self.ep.controller.desired.list_ops()
-        except Exception as exc:  # etcd down: status still answers
-            return {"error": f"etcd unreachable: {exc}"}
-        active = [o for o in ops if not o.phase.is_final]
-        done = [o for o in ops if o.phase.is_final]
-        op = min(active, key=lambda o: o.updated_at) if active else None
-        last = max(done, key=lambda o: o.updated_at) if done else None
-
-        def op_view(o):
-            return None if o is None else {"op_id": o.op_id, "phase": o.phase.value, "progress": o.progress,
-                                           "target": o.target, "error": o.error}
-        return {"epoch": epoch.number if epoch else None, "world_size": epoch.world_size if epoch else 0,
-                "ranks": epoch.ranks if epoch else [], "leader": self.ep.election.is_leader,
-                "op": op_view(op), "last_op": op_view(last),
-                "engines": {e: {"state": r.state.value, "epoch": r.epoch, "rank": r.rank,
-                                "kv_source": r.kv_source, "kv_cache_bytes": r.kv_cache_bytes,
-                                "failed_epoch": r.failed_epoch, "error": r.error}
-                            for e, r in records.items()}}
+        """Epoch, ranks and the active operation from etcd (None when not EP)."""
+        return self.ep.status() if self.ep is not None else None
 
     def _update_scale_op(self) -> None:
         op = self.scale_op
@@ -644,14 +505,8 @@ class Supervisor:
                 "kv_source": hb.kv_source if hb else None,
                 "step_counter": hb.step_counter if hb else None})
         ep = self.ep_status()
-        if ep and ep.get("engines"):
-            from daemon.launch import ep_engine_id
-
-            for e in engines:
-                rec = ep["engines"].get(ep_engine_id(self.config, e["engine_id"]))
-                e["rank"] = rec["rank"] if rec else None
-                e["epoch"] = rec["epoch"] if rec else None
-                e["ep_state"] = rec["state"] if rec else None
+        if ep is not None:
+            self.ep.annotate(engines, ep)
         op = self.scale_op
         return {"status": self.status_line(), "http": self.config.http, "model": self.config.model,
                 "uptime_s": round(now - self.started_at, 3), "shutting_down": self.shutting_down,

@@ -158,6 +158,7 @@ def _start_ep(config, supervisor, log):
     controller; engines are this supervisor's children, started as EP ranks."""
     import socket
 
+    from daemon.ep_supervisor import EPSupervisor
     from daemon.launch import node_id
     from elastic.cluster import EPNode
     from elastic.etcd_server import EmbeddedEtcd
@@ -185,7 +186,7 @@ def _start_ep(config, supervisor, log):
                   launcher=None, initial_engines=config.num_engines, rendezvous=rendezvous,
                   security=security)
     node.start()
-    supervisor.ep = node
+    supervisor.ep = EPSupervisor(node, supervisor.log)
     log.info("expert parallelism on", cluster=config.cluster, node=node.node_id, rendezvous=rendezvous)
     return node, etcd
 
