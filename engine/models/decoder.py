@@ -3,6 +3,11 @@ Qwen3 (per-head q/k RMSNorm), Qwen3-MoE and Mixtral (sparse MoE MLP).
 
 Inputs are flat: all tokens of the batch in one [T] row, positions [T], and the paged
 attention metadata. Projections are fused (qkv, gate/up) at load time.
+
+Parameters are created uninitialised (``Linear``/``Embedding`` below run no init; the
+loader builds the model on the meta device) because every one of them is read from the
+checkpoint: engine/models/loader.py fills each parameter or fails with the missing name.
+The rotary tables are computed, not loaded: the caller builds them on the real device.
 """
 
 from __future__ import annotations
@@ -17,6 +22,32 @@ from kernels.attention import AttentionMetadata, paged_attention
 from kernels.moe import grouped_expert_mlp, route
 from kernels.norm import RMSNorm
 from kernels.rotary import RotaryEmbedding
+
+
+class Linear(nn.Module):
+    """y = x W^T (+ b), like nn.Linear but with no random init: nn.Linear's init on the
+    meta device runs torch's Python reference ops, which import torch._dynamo and sympy
+    (~1.3 s of every engine start) for values the checkpoint overwrites anyway."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False,
+                 dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
+        return F.linear(x, self.weight, self.bias)
+
+
+class Embedding(nn.Module):
+    """Token embedding table, uninitialised like ``Linear``."""
+
+    def __init__(self, num_embeddings: int, dim: int, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_embeddings, dim, dtype=dtype), requires_grad=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, H]
+        return F.embedding(ids, self.weight)
 
 
 @dataclass
@@ -51,8 +82,8 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
         self.q_size = spec.num_heads * spec.head_dim
         self.kv_size = spec.num_kv_heads * spec.head_dim
-        self.qkv = nn.Linear(spec.hidden_size, self.q_size + 2 * self.kv_size, bias=spec.qkv_bias, dtype=dtype)
-        self.o_proj = nn.Linear(self.q_size, spec.hidden_size, bias=False, dtype=dtype)
+        self.qkv = Linear(spec.hidden_size, self.q_size + 2 * self.kv_size, bias=spec.qkv_bias, dtype=dtype)
+        self.o_proj = Linear(self.q_size, spec.hidden_size, bias=False, dtype=dtype)
         self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
         self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
         self.scale = spec.head_dim ** -0.5
@@ -75,8 +106,8 @@ class DenseMLP(nn.Module):
     def __init__(self, hidden: int, inter: int, dtype: torch.dtype) -> None:
         super().__init__()
         self.inter = inter
-        self.gate_up = nn.Linear(hidden, 2 * inter, bias=False, dtype=dtype)
-        self.down = nn.Linear(inter, hidden, bias=False, dtype=dtype)
+        self.gate_up = Linear(hidden, 2 * inter, bias=False, dtype=dtype)
+        self.down = Linear(inter, hidden, bias=False, dtype=dtype)
 
     def forward(self, x):
         gu = self.gate_up(x)
@@ -93,9 +124,11 @@ class SparseMoE(nn.Module):
         self.num_experts, self.top_k, self.renormalize = spec.num_experts, spec.top_k, spec.renormalize
         self.expert_start, self.expert_end = expert_start, end
         n_local = end - expert_start
-        self.router = nn.Linear(spec.hidden_size, spec.num_experts, bias=False, dtype=dtype)
-        self.w13 = nn.Parameter(torch.empty(n_local, 2 * spec.moe_intermediate_size, spec.hidden_size, dtype=dtype))
-        self.w2 = nn.Parameter(torch.empty(n_local, spec.hidden_size, spec.moe_intermediate_size, dtype=dtype))
+        self.router = Linear(spec.hidden_size, spec.num_experts, bias=False, dtype=dtype)
+        self.w13 = nn.Parameter(torch.empty(n_local, 2 * spec.moe_intermediate_size, spec.hidden_size, dtype=dtype),
+                                requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(n_local, spec.hidden_size, spec.moe_intermediate_size, dtype=dtype),
+                               requires_grad=False)
         self.ep_forward = None  # set by the expert-parallel transform
 
     def forward(self, x):  # x: [T, H]
@@ -123,15 +156,15 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, spec: ModelSpec, hf_config, dtype: torch.dtype, max_positions: int,
+    def __init__(self, spec: ModelSpec, rotary: RotaryEmbedding, dtype: torch.dtype,
                  expert_range: tuple[int, int] | None = None) -> None:
         super().__init__()
         self.spec = spec
-        self.embed = nn.Embedding(spec.vocab_size, spec.hidden_size, dtype=dtype)
+        self.embed = Embedding(spec.vocab_size, spec.hidden_size, dtype=dtype)
         self.layers = nn.ModuleList(DecoderLayer(spec, i, dtype, expert_range) for i in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.lm_head = None if spec.tie_word_embeddings else nn.Linear(spec.hidden_size, spec.vocab_size, bias=False, dtype=dtype)
-        self.rotary = RotaryEmbedding(hf_config, max_positions, dtype)
+        self.lm_head = None if spec.tie_word_embeddings else Linear(spec.hidden_size, spec.vocab_size, bias=False, dtype=dtype)
+        self.rotary = rotary  # cos/sin tables up to max_positions, computed (not loaded)
 
     def forward(self, input_ids, positions, kv_caches, md: AttentionMetadata):
         # input_ids, positions: [T] -> hidden [T, H]

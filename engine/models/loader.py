@@ -16,6 +16,7 @@ from safetensors import safe_open
 
 from engine.errors import ModelLoadError, UnsupportedModelError
 from engine.models.decoder import DecoderModel, ModelSpec
+from kernels.rotary import RotaryEmbedding
 
 SUPPORTED = {
     "LlamaForCausalLM": "llama",
@@ -127,8 +128,9 @@ def load_model(model_dir: str, dtype: torch.dtype, device: torch.device, max_pos
     spec = spec_from_config(cfg)
     if expert_range is not None and not spec.is_moe:
         raise UnsupportedModelError("expert parallelism needs a mixture-of-experts model")
-    with torch.device("meta"):
-        model = DecoderModel(spec, cfg, dtype, max_positions, expert_range)
+    rotary = RotaryEmbedding(cfg, max_positions, dtype)  # computed, not loaded
+    with torch.device("meta"):  # shapes only: no memory, no init; every parameter is loaded below
+        model = DecoderModel(spec, rotary, dtype, expert_range)
     rd = _Reader(Path(model_dir))
     state: dict[str, torch.Tensor] = {}
 
@@ -157,7 +159,6 @@ def load_model(model_dir: str, dtype: torch.dtype, device: torch.device, max_pos
         if progress:
             progress(i + 1, spec.num_layers)
     model.load_state_dict(state, strict=False, assign=True)
-    model.rotary = type(model.rotary)(cfg, max_positions, dtype)  # buffers off the meta device
     missing = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
     if missing:
         raise ModelLoadError(f"parameters not loaded from the checkpoint: {missing[:5]}")
