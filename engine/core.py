@@ -29,15 +29,19 @@ class EngineCore:
     def __init__(self, config: EngineConfig, expert_range=None, progress=None) -> None:
         config.validate()
         self.config = config
-        hf_config = load_hf_config(config.model)
+        t_config = time.monotonic()
+        hf_config = load_hf_config(config.model)  # the first call imports transformers
+        config_s = time.monotonic() - t_config
         max_len = config.max_model_len or hf_config.max_position_embeddings
         window = sliding_window_limit(hf_config)
         if window and max_len > window:
             log.warning("capping max_model_len to the sliding window", window=window)
             max_len = window
         t_load = time.monotonic()
-        self.runner = ModelRunner(config, max_len, expert_range, progress)
-        self.init_timings = {"weights_s": time.monotonic() - t_load}
+        self.runner = ModelRunner(config, max_len, expert_range, progress, hf_config=hf_config)
+        # weights_s: model build and weight read (build_s, read_s); config_s: config.json
+        self.init_timings = {"weights_s": time.monotonic() - t_load, **self.runner.load_timings,
+                             "config_s": config_s}
         self.vocab_size = self.runner.spec.vocab_size
         self.model_fingerprint = model_fingerprint(config.model)
         self.weight_version = self.model_fingerprint

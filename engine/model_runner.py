@@ -28,15 +28,18 @@ def resolve_dtype(config: EngineConfig, device: torch.device) -> torch.dtype:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, max_model_len: int, expert_range=None, progress=None) -> None:
+    def __init__(self, config: EngineConfig, max_model_len: int, expert_range=None, progress=None,
+                 hf_config=None) -> None:
         self.config = config
         self.device = torch.device(config.device)
         self.dtype = resolve_dtype(config, self.device)
         if self.device.type == "cpu" and config.num_threads:
             torch.set_num_threads(config.num_threads)
         t0 = time.monotonic()
+        self.load_timings: dict[str, float] = {}  # build_s, read_s (engine/models/loader.py)
         self.model, self.hf_config, self.spec, self.weights_bytes = load_model(
-            config.model, self.dtype, self.device, max_model_len, expert_range, progress)
+            config.model, self.dtype, self.device, max_model_len, expert_range, progress,
+            hf_config=hf_config, timings=self.load_timings)
         self.load_s = time.monotonic() - t0
         self.model_dir = config.model  # where the weights in place came from (a weight swap moves it)
         self.block_size = config.block_size

@@ -1,14 +1,21 @@
 """Load a Hugging Face model directory (config.json + safetensors) into DecoderModel.
 
 transformers is used for the config only; weights are read tensor by tensor from the
-safetensors files (sharded checkpoints via model.safetensors.index.json). An expert-
-parallel rank passes ``expert_range`` and reads only its own experts.
+memory-mapped safetensors files (sharded checkpoints via model.safetensors.index.json).
+The model is built on the meta device (no memory, no random init) and every parameter is
+then filled from its plan: a list of checkpoint tensors and the region of the parameter
+each one fills (fused qkv, gate/up and stacked experts are copied once, straight into the
+parameter on its device; a whole tensor on the CPU is used in place, no copy). A tensor
+the checkpoint lacks, or one of the wrong shape, is a ModelLoadError naming it. An
+expert-parallel rank passes ``expert_range`` and reads only its own experts.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -102,102 +109,186 @@ def _tensor_files(model_dir: Path) -> dict[str, Path]:
 
 
 class _Reader:
+    """Checkpoint tensors by name, as views on the memory-mapped safetensors files (safe_open
+    maps each file once; get_tensor copies nothing)."""
+
     def __init__(self, model_dir: Path) -> None:
         self.where = _tensor_files(model_dir)
         self._open: dict[Path, object] = {}
-        self.num_bytes = 0
+        self.num_bytes = 0  # bytes of the parameters filled, in the model's dtype
 
     def has(self, name: str) -> bool:
         return name in self.where
 
-    def get(self, name: str, dtype: torch.dtype) -> torch.Tensor:
+    def view(self, piece: Piece) -> torch.Tensor:
+        name = piece.name
         if name not in self.where:
             raise ModelLoadError(f"checkpoint is missing tensor {name!r}")
         f = self.where[name]
         if f not in self._open:
-            self._open[f] = safe_open(str(f), "pt")
-        t = self._open[f].get_tensor(name).to(dtype)
-        self.num_bytes += t.numel() * t.element_size()
-        return t
+            try:
+                self._open[f] = safe_open(str(f), "pt")
+            except Exception as exc:  # safetensors raises its own error types for bad files
+                raise ModelLoadError(f"{f}: cannot open safetensors file: {exc}") from exc
+        t = self._open[f].get_tensor(name)
+        return t[piece.src] if piece.src else t
 
 
-def load_model(model_dir: str, dtype: torch.dtype, device: torch.device, max_positions: int,
-               expert_range: tuple[int, int] | None = None, progress=None):
-    """Returns (model, hf_config, spec, bytes_loaded)."""
-    cfg = load_hf_config(model_dir)
-    spec = spec_from_config(cfg)
-    if expert_range is not None and not spec.is_moe:
-        raise UnsupportedModelError("expert parallelism needs a mixture-of-experts model")
-    rotary = RotaryEmbedding(cfg, max_positions, dtype)  # computed, not loaded
-    with torch.device("meta"):  # shapes only: no memory, no init; every parameter is loaded below
-        model = DecoderModel(spec, rotary, dtype, expert_range)
-    rd = _Reader(Path(model_dir))
-    state: dict[str, torch.Tensor] = {}
+@dataclass(frozen=True)
+class Piece:
+    """One checkpoint tensor (``src``: an index into it) and the region of the parameter it
+    fills (``dst``: an index into the parameter; () is the whole of it)."""
 
-    state["embed.weight"] = rd.get("model.embed_tokens.weight", dtype)
-    state["norm.weight"] = rd.get("model.norm.weight", dtype)
-    if not spec.tie_word_embeddings:
-        state["lm_head.weight"] = rd.get("lm_head.weight", dtype)
-    for i, layer in enumerate(model.layers):
-        p = f"model.layers.{i}."
-        o = f"layers.{i}."
-        state[o + "input_norm.weight"] = rd.get(p + "input_layernorm.weight", dtype)
-        state[o + "post_norm.weight"] = rd.get(p + "post_attention_layernorm.weight", dtype)
-        state[o + "attn.qkv.weight"] = torch.cat([rd.get(p + f"self_attn.{n}_proj.weight", dtype) for n in "qkv"])
-        if spec.qkv_bias:
-            state[o + "attn.qkv.bias"] = torch.cat([rd.get(p + f"self_attn.{n}_proj.bias", dtype) for n in "qkv"])
-        state[o + "attn.o_proj.weight"] = rd.get(p + "self_attn.o_proj.weight", dtype)
-        if spec.qk_norm:
-            state[o + "attn.q_norm.weight"] = rd.get(p + "self_attn.q_norm.weight", dtype)
-            state[o + "attn.k_norm.weight"] = rd.get(p + "self_attn.k_norm.weight", dtype)
-        if i in spec.sparse_layers:
-            state.update(_load_experts(rd, spec, p, o, dtype, layer.mlp.expert_start, layer.mlp.expert_end))
-        else:
-            state[o + "mlp.gate_up.weight"] = torch.cat(
-                [rd.get(p + "mlp.gate_proj.weight", dtype), rd.get(p + "mlp.up_proj.weight", dtype)])
-            state[o + "mlp.down.weight"] = rd.get(p + "mlp.down_proj.weight", dtype)
-        if progress:
-            progress(i + 1, spec.num_layers)
-    model.load_state_dict(state, strict=False, assign=True)
-    missing = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
-    if missing:
-        raise ModelLoadError(f"parameters not loaded from the checkpoint: {missing[:5]}")
-    model = model.to(device).eval()
-    return model, cfg, spec, rd.num_bytes
+    name: str
+    src: tuple = ()
+    dst: tuple = ()
 
 
-def _load_experts(rd: _Reader, spec: ModelSpec, p: str, o: str, dtype, start: int, end: int):
+def _rows(names: list[str], sizes: list[int]) -> list[Piece]:
+    """Checkpoint tensors stacked along dim 0 into one fused parameter (qkv, gate/up)."""
+    out, at = [], 0
+    for name, n in zip(names, sizes):
+        out.append(Piece(name, dst=(slice(at, at + n),)))
+        at += n
+    return out
+
+
+def _expert_plan(rd: _Reader, spec: ModelSpec, i: int, start: int, end: int) -> dict[str, list[Piece]]:
+    """w13 [E_local, 2I, H] (gate rows, then up rows) and w2 [E_local, H, I] of experts [start, end)."""
+    p, o = f"model.layers.{i}.", f"layers.{i}."
     if spec.arch == "mixtral":
         base, gate, up, down = p + "block_sparse_moe.", "w1", "w3", "w2"
     else:
         base, gate, up, down = p + "mlp.", "gate_proj", "up_proj", "down_proj"
-    out = {o + "mlp.router.weight": rd.get(base + "gate.weight", dtype)}
     if rd.has(base + "experts.gate_up_proj"):  # fused layout [E, 2I, H] / [E, H, I]
-        out[o + "mlp.w13"] = rd.get(base + "experts.gate_up_proj", dtype)[start:end].contiguous()
-        out[o + "mlp.w2"] = rd.get(base + "experts.down_proj", dtype)[start:end].contiguous()
-        return out
+        return {o + "mlp.w13": [Piece(base + "experts.gate_up_proj", src=(slice(start, end),))],
+                o + "mlp.w2": [Piece(base + "experts.down_proj", src=(slice(start, end),))]}
+    inter = spec.moe_intermediate_size
     w13, w2 = [], []
-    for e in range(start, end):
+    for j, e in enumerate(range(start, end)):
         ep = f"{base}experts.{e}."
-        w13.append(torch.cat([rd.get(ep + f"{gate}.weight", dtype), rd.get(ep + f"{up}.weight", dtype)]))
-        w2.append(rd.get(ep + f"{down}.weight", dtype))
-    out[o + "mlp.w13"] = torch.stack(w13)
-    out[o + "mlp.w2"] = torch.stack(w2)
+        w13 += [Piece(ep + f"{gate}.weight", dst=(j, slice(0, inter))),
+                Piece(ep + f"{up}.weight", dst=(j, slice(inter, 2 * inter)))]
+        w2.append(Piece(ep + f"{down}.weight", dst=(j,)))
+    return {o + "mlp.w13": w13, o + "mlp.w2": w2}
+
+
+def _layer_plan(rd: _Reader, spec: ModelSpec, i: int, expert_range: tuple[int, int]) -> dict[str, list[Piece]]:
+    p, o = f"model.layers.{i}.", f"layers.{i}."
+    q, kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+    attn = p + "self_attn."
+    plan = {
+        o + "input_norm.weight": [Piece(p + "input_layernorm.weight")],
+        o + "post_norm.weight": [Piece(p + "post_attention_layernorm.weight")],
+        o + "attn.qkv.weight": _rows([attn + f"{n}_proj.weight" for n in "qkv"], [q, kv, kv]),
+        o + "attn.o_proj.weight": [Piece(attn + "o_proj.weight")],
+    }
+    if spec.qkv_bias:
+        plan[o + "attn.qkv.bias"] = _rows([attn + f"{n}_proj.bias" for n in "qkv"], [q, kv, kv])
+    if spec.qk_norm:
+        plan[o + "attn.q_norm.weight"] = [Piece(attn + "q_norm.weight")]
+        plan[o + "attn.k_norm.weight"] = [Piece(attn + "k_norm.weight")]
+    if i in spec.sparse_layers:
+        router = p + ("block_sparse_moe." if spec.arch == "mixtral" else "mlp.") + "gate.weight"
+        plan[o + "mlp.router.weight"] = [Piece(router)]
+        plan.update(_expert_plan(rd, spec, i, *expert_range))
+    else:
+        inter = spec.intermediate_size
+        plan[o + "mlp.gate_up.weight"] = _rows([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"], [inter, inter])
+        plan[o + "mlp.down.weight"] = [Piece(p + "mlp.down_proj.weight")]
+    return plan
+
+
+def _materialize(rd: _Reader, name: str, like: torch.Tensor, pieces: list[Piece],
+                 dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Parameter ``name`` (shaped like ``like``) from its pieces. A whole tensor already in
+    place (CPU, same dtype, contiguous) is used as is: the mapped file, no copy. Otherwise
+    the parameter is allocated once and each piece copied (and cast) into its region: one
+    copy per byte, straight to ``device``. A shape that does not fit is an error, never a
+    broadcast."""
+    shape = tuple(like.shape)
+    if len(pieces) == 1 and pieces[0].dst == ():
+        t = rd.view(pieces[0])
+        if tuple(t.shape) != shape:
+            raise ModelLoadError(f"{pieces[0].name}: shape {tuple(t.shape)} does not fit {name} {shape}")
+        if t.device != device or t.dtype != dtype or not t.is_contiguous():
+            t = t.to(device=device, dtype=dtype, memory_format=torch.contiguous_format, copy=True)
+        rd.num_bytes += t.numel() * t.element_size()
+        return t
+    out = torch.empty(shape, dtype=dtype, device=device)
+    filled = 0
+    for piece in pieces:
+        src, region = rd.view(piece), out[piece.dst]
+        if src.shape != region.shape:
+            raise ModelLoadError(f"{piece.name}: shape {tuple(src.shape)} does not fit its part of "
+                                 f"{name} ({tuple(region.shape)})")
+        region.copy_(src)
+        filled += src.numel()
+    if filled != out.numel():  # a plan bug, never a checkpoint's: refuse rather than serve garbage
+        raise ModelLoadError(f"{name}: {filled} of {out.numel()} elements filled from the checkpoint")
+    rd.num_bytes += out.numel() * out.element_size()
     return out
+
+
+def _assign(model: torch.nn.Module, name: str, t: torch.Tensor) -> None:
+    mod_name, _, leaf = name.rpartition(".")
+    mod = model.get_submodule(mod_name) if mod_name else model
+    setattr(mod, leaf, torch.nn.Parameter(t, requires_grad=False))
+
+
+def load_model(model_dir: str, dtype: torch.dtype, device: torch.device, max_positions: int,
+               expert_range: tuple[int, int] | None = None, progress=None, hf_config=None,
+               timings: dict | None = None):
+    """Returns (model, hf_config, spec, bytes_loaded). ``hf_config``: the config already
+    read (else read here); ``timings`` gets build_s, read_s (and config_s if read here)."""
+    t0 = time.monotonic()
+    cfg = hf_config if hf_config is not None else load_hf_config(model_dir)
+    spec = spec_from_config(cfg)
+    if expert_range is not None and not spec.is_moe:
+        raise UnsupportedModelError("expert parallelism needs a mixture-of-experts model")
+    t1 = time.monotonic()
+    rotary = RotaryEmbedding(cfg, max_positions, dtype).to(device)  # computed, on the device
+    with torch.device("meta"):  # shapes only: no memory, no init; every parameter is filled below
+        model = DecoderModel(spec, rotary, dtype, expert_range)
+    t2 = time.monotonic()
+    rd = _Reader(Path(model_dir))
+    plan = {"embed.weight": [Piece("model.embed_tokens.weight")],
+            "norm.weight": [Piece("model.norm.weight")]}
+    if not spec.tie_word_embeddings:
+        plan["lm_head.weight"] = [Piece("lm_head.weight")]
+    params = dict(model.named_parameters())
+    for name, pieces in plan.items():
+        _assign(model, name, _materialize(rd, name, params[name], pieces, dtype, device))
+    for i, layer in enumerate(model.layers):
+        experts = (layer.mlp.expert_start, layer.mlp.expert_end) if i in spec.sparse_layers else None
+        for name, pieces in _layer_plan(rd, spec, i, experts).items():
+            _assign(model, name, _materialize(rd, name, params[name], pieces, dtype, device))
+        if progress:
+            progress(i + 1, spec.num_layers)
+    missing = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
+    if missing:
+        raise ModelLoadError(f"parameters not loaded from the checkpoint: {missing[:5]}")
+    if timings is not None:
+        if hf_config is None:
+            timings["config_s"] = t1 - t0
+        timings.update(build_s=t2 - t1, read_s=time.monotonic() - t2)
+    return model.eval(), cfg, spec, rd.num_bytes
 
 
 def load_expert_weights(model, model_dir: str, spec: ModelSpec, dtype, device, expert_range: tuple[int, int]) -> int:
     """Replace every MoE layer's local experts with [start, end) read from the checkpoint."""
     start, end = expert_range
     rd = _Reader(Path(model_dir))
+    n_local = end - start
     for i, layer in enumerate(model.layers):
         if i not in spec.sparse_layers:
             continue
-        p, o = f"model.layers.{i}.", f"layers.{i}."
-        st = _load_experts(rd, spec, p, o, dtype, start, end)
         moe = layer.mlp
-        moe.w13 = torch.nn.Parameter(st[o + "mlp.w13"].to(device), requires_grad=False)
-        moe.w2 = torch.nn.Parameter(st[o + "mlp.w2"].to(device), requires_grad=False)
+        shapes = {f"layers.{i}.mlp.w13": (n_local, *moe.w13.shape[1:]),
+                  f"layers.{i}.mlp.w2": (n_local, *moe.w2.shape[1:])}
+        for name, pieces in _expert_plan(rd, spec, i, start, end).items():
+            like = torch.empty(shapes[name], device="meta")
+            _assign(model, name, _materialize(rd, name, like, pieces, dtype, device))
         moe.expert_start, moe.expert_end = start, end
     return rd.num_bytes
 
