@@ -81,3 +81,21 @@ def test_profiled_kv_cache_follows_the_formula(tiny_moe):
     reused = EngineCore(EngineConfig(**base, kv_cache_bytes=core.kv_cache_bytes, kv_source="reused"))
     assert reused.profile is None and reused.kv_source == "reused"
     assert reused.num_kv_blocks == core.num_kv_blocks
+
+
+def test_kv_cache_starts_zeroed_one_tensor_per_layer_and_kind(tiny_moe):
+    """Attention reads slots it masks (padded block tables, a last block's tail) and a NaN
+    there would spread into outputs, so the cache must start as zeros: on the CPU it is one
+    anonymous mapping the kernel zero-fills; each layer's K and V are views that never overlap."""
+    core = EngineCore(EngineConfig(model=tiny_moe, kv_cache_bytes=2 * 2**20, max_model_len=128, num_threads=1))
+    runner, spec = core.runner, core.runner.spec
+    caches = runner.kv_caches
+    assert len(caches) == spec.num_layers
+    slots = core.num_kv_blocks * core.config.block_size
+    for k, v in caches:
+        assert k.shape == v.shape == (slots, spec.num_kv_heads, spec.head_dim)
+        assert k.dtype == v.dtype == runner.dtype and k.is_contiguous() and v.is_contiguous()
+        assert k.count_nonzero() == 0 and v.count_nonzero() == 0
+    caches[1][0].fill_(1.0)  # layer 1's K only
+    touched = [(i, j) for i, kv in enumerate(caches) for j, t in enumerate(kv) if t.count_nonzero()]
+    assert touched == [(1, 0)]
