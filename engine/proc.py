@@ -157,8 +157,11 @@ class EngineCoreProc:
                 return EXIT_DEAD
             send_all(self._links, MsgType.READY, self._ready())
             self.state = EngineState.RUNNING
-            log.info("engine %d ready: %d KV blocks, max_model_len %d", self.engine_index,
-                     self.core.num_kv_blocks, self.core.max_model_len)
+            timings = {"since_exec_s": _since_exec_s(),  # where the start-up went
+                       **(getattr(self.core, "init_timings", None) or {})}
+            log.info("engine %d ready: %d KV blocks, max_model_len %d; start-up %s", self.engine_index,
+                     self.core.num_kv_blocks, self.core.max_model_len,
+                     " ".join(f"{k}={v:.3f}" for k, v in timings.items()))
             input_thread = InputThread(self.engine_index, self._links, self.input_queue,
                                        self.output_queue, self.settings.max_message_bytes,
                                        on_abort=self._abort_eagerly)
@@ -570,6 +573,13 @@ def run_engine_core(engine_index: int, input_addresses: list[str], config: Engin
     _setup_logging(engine_index, settings.log_level)
     proc = EngineCoreProc(engine_index, input_addresses, config, settings, output_addresses)
     sys.exit(proc.run())
+
+
+def _since_exec_s() -> float:
+    """Seconds since this process started (interpreter start and imports included)."""
+    import psutil
+
+    return time.time() - psutil.Process().create_time()
 
 
 def _setup_logging(engine_index: int, level: str) -> None:
