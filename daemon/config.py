@@ -63,7 +63,12 @@ class ServeConfig(msgspec.Struct, kw_only=True, frozen=True):
     etcd_endpoints: str = ""  # comma-separated host:port; empty: start an embedded etcd
     cluster: str = "default"
     node_id: str = ""  # default: the host name
-    rendezvous: str = ""  # host:port of this node's TCPStore for EP groups; empty: a free loopback port
+    rendezvous: str = ""  # host:port of this node's TCPStore for EP groups; empty: a free port on the advertise host
+    # Multi-host EP: this node's routable address (node record, rendezvous store, gloo's
+    # binding); empty: 127.0.0.1, a one-host cluster. The embedded etcd listens on
+    # etcd_listen (HOST or HOST:PORT) so that other nodes can join it with --etcd-endpoints.
+    advertise_host: str = ""
+    etcd_listen: str = ""
     # A secured etcd cluster (--etcd-endpoints): TLS files, user and password file. The
     # engines get them through their environment (paths and user name only).
     etcd_ca_cert: str = ""
@@ -107,13 +112,37 @@ class ServeConfig(msgspec.Struct, kw_only=True, frozen=True):
         if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
             raise ConfigError(f"unknown log level {self.log_level!r}")
         self.restart_policy()  # RestartPolicy validates its own numbers
+        if self.advertise_host:
+            _ip(self.advertise_host, "--advertise-host")
+        if self.etcd_listen:
+            if self.etcd_endpoints:
+                raise ConfigError("--etcd-listen is for the embedded etcd; with --etcd-endpoints "
+                                  "there is none (give one or the other)")
+            self.etcd_listen_address()
         security = self.etcd_security()
         if (security.tls or security.auth) and not self.etcd_endpoints:
             raise ConfigError("--etcd-ca-cert/--etcd-cert/--etcd-key/--etcd-user/--etcd-password-file "
                               "are for an etcd cluster given with --etcd-endpoints (the embedded one "
-                              "listens on loopback only, without TLS or auth)")
+                              "has no TLS or auth)")
         if security.problems():
             raise ConfigError("; ".join(security.problems()))
+
+    def etcd_listen_address(self) -> tuple[str, int | None]:
+        """(host, port or None) of --etcd-listen HOST[:PORT] (default: loopback, a free port)."""
+        if not self.etcd_listen:
+            return "127.0.0.1", None
+        text = self.etcd_listen
+        if text.startswith("["):  # [v6]:port
+            host, _, rest = text[1:].partition("]")
+            port = rest[1:] if rest.startswith(":") else ""
+        elif text.count(":") == 1:
+            host, _, port = text.partition(":")
+        else:
+            host, port = text, ""
+        _ip(host, "--etcd-listen")
+        if port and not (port.isdigit() and 0 < int(port) < 65536):
+            raise ConfigError(f"--etcd-listen wants HOST or HOST:PORT, got {text!r}")
+        return host, int(port) if port else None
 
     def etcd_security(self):
         from elastic.etcd_security import EtcdSecurity
@@ -137,6 +166,15 @@ class ServeConfig(msgspec.Struct, kw_only=True, frozen=True):
                                  self.retry_limit, stable_s=self.stable_s, fatal_exit_codes=fatal)
         except ValueError as exc:
             raise ConfigError(str(exc)) from exc
+
+
+def _ip(text: str, flag: str) -> str:
+    import ipaddress
+
+    try:
+        return str(ipaddress.ip_address(text))
+    except ValueError:
+        raise ConfigError(f"{flag} wants an IP address of this host, got {text!r}") from None
 
 
 #: fields a reload applies to the running daemon; the rest need a restart
@@ -180,7 +218,14 @@ _FLAGS: list[tuple[str, str, Any, str]] = [
      "ep: etcd cluster host:port[,...] (default: an embedded etcd under the state dir)"),
     ("--cluster", "cluster", str, "ep: cluster name, the etcd key prefix /planaria/NAME/ (default: default)"),
     ("--node-id", "node_id", str, "ep: this node's id in the cluster (default: the host name)"),
-    ("--rendezvous", "rendezvous", str, "ep: HOST:PORT of this node's process-group store (default: free port)"),
+    ("--rendezvous", "rendezvous", str,
+     "ep: HOST:PORT of this node's process-group store (default: a free port on the advertise host)"),
+    ("--advertise-host", "advertise_host", str,
+     "ep: this node's routable IP for the other nodes: its record, its rendezvous store and the "
+     "address gloo binds (default 127.0.0.1: a one-host cluster)"),
+    ("--etcd-listen", "etcd_listen", str,
+     "ep: IP[:PORT] the embedded etcd serves clients on, for the other nodes' --etcd-endpoints "
+     "(default 127.0.0.1 and a free port; no TLS or auth: use a private network)"),
     ("--etcd-ca-cert", "etcd_ca_cert", str, "ep: PEM file of the CA of etcd's TLS certificate (TLS on)"),
     ("--etcd-cert", "etcd_cert", str, "ep: client certificate for etcd (with --etcd-key; TLS on)"),
     ("--etcd-key", "etcd_key", str, "ep: the client certificate's key file"),

@@ -4,12 +4,17 @@
 calls it where EP differs, and it reaches etcd only through this node's ``EPNode``
 (elastic/cluster.py: lease, election, the leader's controller):
 
+- the node's engine slots follow its share of the leader's placement (``slot_changes``:
+  decide; the supervisor acts): missing engines are added (lowest free ids), extra ones
+  removed (highest ids first, the rule the leader's placement keeps to): a rank leaves at
+  the scale-down epoch, after its requests moved to survivors; an engine in no epoch is
+  stopped. Until the leader has placed anything the node runs its --engines;
 - a restarted or added rank takes the group's KV figure (``reused_kv_config``), never
   profiling again;
 - a dead engine's etcd record is deleted at once (``forget_engine``), off the loop thread;
-- ``planaria scale`` writes ``desired`` in etcd (``request_scale``), refused with a clear
-  error while another operation runs or etcd is down;
-- ``status`` is the epoch, ranks, ops and engine records read from etcd.
+- ``planaria scale`` on any node writes the cluster-wide ``desired`` in etcd
+  (``scale_to``), refused with a clear error while another operation runs or etcd is down;
+- ``status`` is the epoch, ranks, placement, nodes, ops and engine records read from etcd.
 
 Reads that may wait on etcd answer None (or an ``error`` entry) when it is unreachable:
 serving never waits on etcd.
@@ -18,9 +23,24 @@ serving never waits on etcd.
 from __future__ import annotations
 
 import threading
+from dataclasses import dataclass, field
 from typing import Any
 
-from daemon.errors import ConflictError, UnavailableError
+from daemon.errors import BadArgumentError, ConflictError, UnavailableError
+
+POLL_S = 0.1  # the supervisor's loop looks at the (cached) placement this often
+
+
+@dataclass
+class SlotChanges:
+    """What the supervisor does to follow this node's share: add ``num_add`` engines, keep
+    the ``keep`` slots it was removing, remove the ``remove`` slots (the ``ranks`` among
+    them leave at the next epoch; the others are stopped)."""
+
+    num_add: int = 0
+    keep: list[int] = field(default_factory=list)
+    remove: list[int] = field(default_factory=list)
+    ranks: set[int] = field(default_factory=set)
 
 
 class EPSupervisor:
@@ -36,6 +56,33 @@ class EPSupervisor:
         """The cluster-wide id of this node's engine ``engine_id`` (etcd engines/<id>)."""
         return f"{self.node_id}-e{engine_id}"
 
+    # -- this node's share -------------------------------------------------------------------
+    def share(self) -> int | None:
+        """This node's engine count in the leader's placement (None: nothing placed yet)."""
+        placement = self.node.placement
+        return placement.engines.get(self.node_id, 0) if placement is not None else None
+
+    def slot_changes(self, slots: dict[int, Any]) -> SlotChanges | None:
+        """How the slots (engine id -> daemon.slot.Slot) should change to match the share;
+        None when they match (or nothing is placed yet)."""
+        share = self.share()
+        if share is None:
+            return None
+        leaving = sorted(i for i, s in slots.items() if s.after_exit == "remove")
+        staying = sorted(i for i in slots if i not in leaving)
+        if len(staying) < share:
+            # A rank marked to leave whose scale-down epoch has not come yet stays after all.
+            ranks = self.node.epoch_ranks
+            keep = [i for i in leaving if slots[i].state.value != "stopping"
+                    and (ranks is None or self.engine_id(i) in ranks)][:share - len(staying)]
+            return SlotChanges(num_add=share - len(staying) - len(keep), keep=keep)
+        if len(staying) > share:
+            remove = staying[share:]
+            ranks = self.node.epoch_ranks
+            return SlotChanges(remove=remove, ranks={i for i in remove if slots[i].child is not None and (
+                ranks is None or self.engine_id(i) in ranks)})
+        return None
+
     # -- KV figures --------------------------------------------------------------------------
     def reused_kv_config(self, figures: list[int]) -> dict[str, Any]:
         """``figures`` (the other serving engines' kv_cache_bytes) and the group's kv_budget
@@ -45,17 +92,6 @@ class EPSupervisor:
         if getattr(self.node, "kv_figure", None):
             figures.append(self.node.kv_figure)
         return {"kv_cache_bytes": min(figures), "kv_source": "reused"} if figures else {}
-
-    def group_kv_figure(self) -> int | None:
-        """The kv_budget registry's figure for the current group (None: none, or etcd down)."""
-        try:
-            c = self.node.controller
-            epoch = c.epochs.read_epoch()[0]
-            budget = c.kv.smallest_for_group(c.fp, c.device_kind, epoch.ranks if epoch else [])
-        except Exception as exc:  # etcd down: the engines' own figures still hold
-            self.log.warning("kv_budget not read", error=str(exc))
-            return None
-        return budget.kv_cache_bytes if budget is not None else None
 
     # -- records -----------------------------------------------------------------------------
     def forget_engine(self, engine_id: int, pid: int | None) -> None:
@@ -74,36 +110,66 @@ class EPSupervisor:
 
         threading.Thread(target=delete, name="ep-forget", daemon=True).start()
 
-    # -- scaling -----------------------------------------------------------------------------
-    def desired(self) -> int | None:
-        """etcd's desired engine count (None: never set, or etcd unreachable)."""
-        try:
+    # -- scaling (cluster-wide) ----------------------------------------------------------------
+    def engine_count(self) -> int | None:
+        """The cluster's engine count: ``desired``, else what the leader placed (its nodes'
+        --engines), else None (nothing placed yet). UnavailableError when etcd is down."""
+        with _frozen_when_down():
             desired, _ = self.node.controller.desired.read_desired()
-        except Exception as exc:  # etcd down: request_scale says so if it matters
-            self.log.warning("desired not read", error=str(exc))
-            return None
-        return desired.num_engines if desired is not None else None
+        if desired is not None:
+            return desired.num_engines
+        placement = self.node.placement
+        return placement.target if placement is not None else None
 
-    def ranks(self) -> set[str] | None:
-        """The engine ids of the current epoch (None when etcd is unreachable)."""
-        try:
-            epoch = self.node.controller.epochs.read_epoch()[0]
-        except Exception as exc:  # etcd down: every engine is assumed to be a rank
-            self.log.warning("epoch not read", error=str(exc))
-            return None
-        return set(epoch.ranks) if epoch is not None else set()
+    def capacity(self) -> int:
+        """The sum of the nodes' --max-engines (from their records)."""
+        from elastic.placement import capacity
+
+        with _frozen_when_down():
+            return capacity(self.node.membership.list_nodes())
+
+    def scale_to(self, target: int, local_engines: int) -> dict[str, Any]:
+        """Write the cluster-wide ``desired`` (and a pending op); the leader places it and
+        each node's supervisor starts or removes its share."""
+        current = self.engine_count()
+        current = local_engines if current is None else current
+        cap = self.capacity()
+        if not 1 <= target <= cap:
+            raise BadArgumentError(f"engine count must be between 1 and the cluster's capacity {cap} "
+                                   f"(the sum of its nodes' --max-engines), got {target}")
+        if target == current:
+            return {"engines": current, "target": target, "changed": False, "op_id": None}
+        op_id = self.request_scale(target)
+        self.log.info("scaling the cluster", op_id=op_id, engines=current, target=target)
+        return {"engines": current, "target": target, "changed": True, "op_id": op_id,
+                "adding": [], "removing": []}
 
     def request_scale(self, target: int) -> str:
         """Write ``desired`` (and a pending op); returns the op id."""
-        from elastic.errors import EtcdError, ScaleConflictError
+        from elastic.errors import ScaleConflictError
 
         try:
-            return self.node.request_scale(target)
+            with _frozen_when_down():
+                return self.node.request_scale(target)
         except ScaleConflictError as exc:
             raise ConflictError(f"an expert-parallel scale operation is in progress: {exc}") from exc
-        except EtcdError as exc:
-            raise UnavailableError(f"etcd is unreachable, membership changes are frozen "
-                                   f"(serving goes on): {exc}") from exc
+
+    def reconfigure(self, max_engines: int) -> None:
+        """A reload changed --max-engines: the node record carries the new capacity."""
+        from elastic.keys import NodeInfo
+
+        node = self.node
+        node.capacity = {**node.capacity, "max_engines": max_engines}
+
+        def write() -> None:
+            try:
+                node.membership.register_node(NodeInfo(node_id=node.node_id, host=node.host,
+                                                       addresses=node.addresses, capacity=node.capacity,
+                                                       started_at=node.started_at))
+            except Exception as exc:  # etcd down: membership re-writes its keys when it is back
+                self.log.warning("node record not updated", error=str(exc))
+
+        threading.Thread(target=write, name="ep-node-record", daemon=True).start()
 
     # -- status ------------------------------------------------------------------------------
     def status(self) -> dict[str, Any]:
@@ -111,7 +177,10 @@ class EPSupervisor:
         try:
             epoch = self.node.controller.epochs.read_epoch()[0]
             records = {r.engine_id: r for r in self.node.membership.list_engines()}
+            nodes = self.node.membership.list_nodes()
             ops = self.node.controller.desired.list_ops()
+            desired, _ = self.node.controller.desired.read_desired()
+            placement, _ = self.node.controller.placements.read()
         except Exception as exc:  # etcd down: status still answers
             return {"error": f"etcd unreachable: {exc}"}
         active = [o for o in ops if not o.phase.is_final]
@@ -124,8 +193,14 @@ class EPSupervisor:
                                            "target": o.target, "error": o.error}
         return {"epoch": epoch.number if epoch else None, "world_size": epoch.world_size if epoch else 0,
                 "ranks": epoch.ranks if epoch else [], "leader": self.node.election.is_leader,
+                "node_id": self.node_id, "desired": desired.num_engines if desired else None,
+                "placement": placement.engines if placement else None,
+                "unplaced": placement.unplaced if placement else 0,
+                "nodes": {n.node_id: {"host": n.host, "http": n.addresses.get("http"),
+                                      "engines": n.capacity.get("engines"),
+                                      "max_engines": n.capacity.get("max_engines")} for n in nodes},
                 "op": op_view(op), "last_op": op_view(last),
-                "engines": {e: {"state": r.state.value, "epoch": r.epoch, "rank": r.rank,
+                "engines": {e: {"node_id": r.node_id, "state": r.state.value, "epoch": r.epoch, "rank": r.rank,
                                 "kv_source": r.kv_source, "kv_cache_bytes": r.kv_cache_bytes,
                                 "failed_epoch": r.failed_epoch, "error": r.error}
                             for e, r in records.items()}}
@@ -139,3 +214,18 @@ class EPSupervisor:
             e["rank"] = rec["rank"] if rec else None
             e["epoch"] = rec["epoch"] if rec else None
             e["ep_state"] = rec["state"] if rec else None
+
+
+class _frozen_when_down:
+    """etcd errors become UNAVAILABLE: membership changes are frozen, serving goes on."""
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        from elastic.errors import EtcdError
+
+        if exc is not None and isinstance(exc, EtcdError):
+            raise UnavailableError(f"etcd is unreachable, membership changes are frozen "
+                                   f"(serving goes on): {exc}") from exc
+        return False

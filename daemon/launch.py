@@ -3,6 +3,7 @@
     frontend:  python -m frontend.main --model M --http H:P --runtime-dir R --engines N ...
     engine i:  python -m engine.proc --engine-index i --input-addr ipc://R/fe0-in
                    --config-json '{"model": M, ...}' --settings-json '{"heartbeat_address": ...}'
+               (EP: python -m elastic.ep_proc ... --engine-id NODE-eI --etcd-endpoints ...)
 
 Sockets in the runtime dir: ``fe0-in`` / ``fe0-out`` are the frontend's ROUTER / PULL
 (engine.client.ipc_addresses); ``sv-hb`` is the supervisor's heartbeat PULL. Engines
@@ -116,6 +117,8 @@ class Launcher:
             argv[2] = "elastic.ep_proc"
             argv += ["--engine-id", ep_engine_id(cfg, engine_id), "--node-id", node_id(cfg),
                      "--etcd-endpoints", self.etcd_endpoints or cfg.etcd_endpoints, "--cluster", cfg.cluster]
+            if cfg.advertise_host:  # gloo binds the node's routable address
+                argv += ["--bind-host", cfg.advertise_host]
         key = engine_key(engine_id)
         etcd_env = self.etcd_env if cfg.parallel == "ep" else {}
         return ChildSpec(key=key, argv=argv, env=self._env(PLANARIA_ENGINE_ID=str(engine_id), **etcd_env),

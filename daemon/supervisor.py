@@ -30,7 +30,7 @@ from typing import Any, Callable, Protocol
 
 from daemon.children import Child, ChildSpec, describe_exit
 from daemon.config import ServeConfig, live_changes
-from daemon.ep_supervisor import EPSupervisor
+from daemon.ep_supervisor import POLL_S as EP_POLL_S, EPSupervisor
 from daemon.errors import (BadArgumentError, ConflictError, UnavailableError,
                            UnknownEngineError)
 from daemon.hang_detector import HangDetector
@@ -259,6 +259,8 @@ class Supervisor:
     def tick(self) -> float | None:
         """Act on what is due; returns the clock time of the next thing due (or None)."""
         now = self.clock()
+        if self.ep is not None and not self.shutting_down:
+            self._follow_placement()
         for slot in self.slots():
             if slot.state is SlotState.BACKOFF and slot.due_at is not None and slot.due_at <= now:
                 self._spawn(slot)
@@ -283,6 +285,8 @@ class Supervisor:
         times = [t for s in self.slots() for t in (s.due_at, s.kill_at) if t is not None]
         if any(s.state in (SlotState.STARTING, SlotState.RUNNING) for s in self.engines.values()):
             times.append(now + self.config.hang_timeout_s / 4)
+        if self.ep is not None:
+            times.append(now + EP_POLL_S)
         return min(times) if times else None
 
     # -- systemd ------------------------------------------------------------------------
@@ -348,6 +352,8 @@ class Supervisor:
             flap_hold_s=self.config.flap_hold_s, retry_limit=self.config.retry_limit,
             stable_s=self.config.stable_s)
         self.hang.hang_timeout_s = self.config.hang_timeout_s
+        if self.ep is not None and "max_engines" in live:
+            self.ep.reconfigure(self.config.max_engines)
         if "log_level" in live:
             logging.getLogger().setLevel(self.config.log_level)
         self.log.info("reloaded", applied=live, needs_restart=needs_restart)
@@ -405,18 +411,25 @@ class Supervisor:
                 and s.heartbeat.kv_cache_bytes > 0]
 
     def reused_kv_cache_bytes(self) -> int | None:
-        """The smallest kv_cache_bytes of the serving engines (a scale-up reuses it)."""
+        """The smallest kv_cache_bytes of the serving engines (a scale-up reuses it; in EP
+        mode ``EPSupervisor.reused_kv_config`` adds the group's kv_budget figure)."""
         figures = self._kv_figures()
-        if self.ep is not None:  # EP: the kv_budget registry's figure for the current group
-            group = self.ep.group_kv_figure()
-            if group is not None:
-                figures.append(group)
         return min(figures) if figures else None
+
+    def engine_count(self) -> int:
+        """The engine count `scale up|down` starts from: this daemon's engines, or in EP
+        mode the cluster's (its desired count)."""
+        count = self.ep.engine_count() if self.ep is not None else None
+        return len(self.engines) if count is None else count
 
     def scale_to(self, target: Any) -> dict[str, Any]:
         self._check_serving()
         if isinstance(target, bool) or not isinstance(target, int):
             raise BadArgumentError(f"engine count must be an integer, got {target!r}")
+        if self.ep is not None:  # EP: cluster-wide; the leader places it over the nodes
+            if target < 1:
+                raise BadArgumentError(f"engine count must be between 1 and the cluster's capacity, got {target}")
+            return self.ep.scale_to(target, len(self.engines))
         if not 1 <= target <= self.config.max_engines:
             raise BadArgumentError(f"engine count must be between 1 and the capacity "
                                    f"--max-engines={self.config.max_engines}, got {target}")
@@ -424,41 +437,17 @@ class Supervisor:
             raise ConflictError(f"scale operation {self.scale_op.op_id} (to "
                                 f"{self.scale_op.target}) is still in progress")
         current = len(self.engines)
-        # EP: an aborted switch rolls etcd's desired back while the joiner's slot stays, so
-        # the cluster's desired size, not the slot count, says whether anything changes.
-        ep_desired = self.ep.desired() if self.ep is not None else None
-        if target == current and ep_desired in (None, target):
+        if target == current:
             return {"engines": current, "target": target, "changed": False, "op_id": None}
-        ep_ranks = self.ep.ranks() if self.ep is not None else None
-        if self.ep is not None:
-            self.ep.request_scale(target)
         op = ScaleOp(next(self._op_ids), target, adding=[], removing=[])
         if target > current:
             kv = self.reused_kv_cache_bytes()
-            extra = {"kv_cache_bytes": kv, "kv_source": "reused"} if kv else {}
-            for engine_id in itertools.islice(
-                    (i for i in itertools.count() if i not in self.engines), target - current):
-                slot = self.engines[engine_id] = Slot(engine_key(engine_id), extra_config=dict(extra))
-                op.adding.append(engine_id)
-                self._spawn(slot)
+            op.adding = self._add_engines(target - current, {"kv_cache_bytes": kv, "kv_source": "reused"}
+                                          if kv else {})
         else:
-            for engine_id in sorted(self.engines)[target:]:
-                slot = self.engines[engine_id]
-                op.removing.append(engine_id)
-                if slot.child is not None and self.ep is not None and (
-                        ep_ranks is None or self.ep.engine_id(engine_id) in ep_ranks):
-                    # EP: the rank leaves on its own at the scale-down epoch, after its
-                    # requests moved to survivors; then it exits 0 and is removed. (An
-                    # engine in no epoch, e.g. the joiner of an aborted switch, is stopped.)
-                    slot.after_exit = "remove"
-                elif slot.child is not None:
-                    if slot.state is SlotState.STOPPING:
-                        slot.after_exit = "remove"  # already on its way out
-                    else:
-                        self._stop(slot, "remove")  # drains its requests first
-                else:
-                    del self.engines[engine_id]
-                    self.policy.forget(slot.key)
+            op.removing = sorted(self.engines)[target:]
+            for engine_id in op.removing:
+                self._remove_engine(engine_id)
         self.scale_op = op
         self.log.info("scaling", op_id=op.op_id, engines=current, target=target,
                       adding=op.adding, removing=op.removing)
@@ -466,6 +455,41 @@ class Supervisor:
         self._notify_status()
         return {"engines": current, "target": target, "changed": True, "op_id": op.op_id,
                 "adding": op.adding, "removing": op.removing}
+
+    def _add_engines(self, num: int, extra_config: dict[str, Any]) -> list[int]:
+        """Start ``num`` engines in the lowest free slots; returns their ids."""
+        added = list(itertools.islice((i for i in itertools.count() if i not in self.engines), num))
+        for engine_id in added:
+            slot = self.engines[engine_id] = Slot(engine_key(engine_id), extra_config=dict(extra_config))
+            self._spawn(slot)
+        return added
+
+    def _remove_engine(self, engine_id: int, leaves_at_epoch: bool = False) -> None:
+        """Remove an engine: drained and stopped, or (``leaves_at_epoch``: an EP rank) left to
+        go on its own at the scale-down epoch, after its requests moved to survivors (it
+        exits 0 and the slot goes)."""
+        slot = self.engines[engine_id]
+        if slot.child is None:
+            del self.engines[engine_id]
+            self.policy.forget(slot.key)
+        elif leaves_at_epoch or slot.state is SlotState.STOPPING:
+            slot.after_exit = "remove"  # on its way out already, or at the epoch
+        else:
+            self._stop(slot, "remove")  # drains its requests first
+
+    def _follow_placement(self) -> None:
+        """EP: start or remove engines to match this node's share of the placement."""
+        changes = self.ep.slot_changes(self.engines)
+        if changes is None:
+            return
+        for engine_id in changes.keep:
+            self.engines[engine_id].after_exit = ""
+        added = self._add_engines(changes.num_add, self.ep.reused_kv_config(self._kv_figures()))
+        for engine_id in changes.remove:
+            self._remove_engine(engine_id, leaves_at_epoch=engine_id in changes.ranks)
+        self.log.info("following the placement", share=self.ep.share(), added=added,
+                      kept=changes.keep, removing=changes.remove)
+        self._notify_status()
 
     def ep_status(self) -> dict[str, Any] | None:
         """Epoch, ranks and the active operation from etcd (None when not EP)."""

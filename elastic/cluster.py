@@ -6,8 +6,13 @@
     cluster.stop()
 
 ``ProcessLauncher`` starts ``python -m elastic.ep_proc`` engine processes that connect to
-this node's frontend; the supervisor may pass its own launcher (same call signature) so
-the processes are watched and restarted like any other child.
+this node's frontend (the harness and bench/: the leader launches every engine itself).
+``planaria serve`` passes no launcher and ``place_engines=True``: the leader places the
+engines over the nodes (the ``placement`` key) and each supervisor starts its own share.
+The node record carries the node's routable ``host``, its rendezvous address and its
+capacity (``engines``: its --engines, ``max_engines``); the node's thread keeps the
+placement, the epoch's ranks and the group's KV figure fresh (``placement``,
+``epoch_ranks``, ``kv_figure``) for the supervisor's loop, which never waits on etcd.
 """
 
 from __future__ import annotations
@@ -183,7 +188,9 @@ class EPNode:
     def __init__(self, node_id: str, cluster: str, etcd_endpoints: list[str], *, model_dir: str,
                  launcher: Callable[[str, int | None], None] | None, initial_engines: int, rendezvous: str,
                  block_size: int = 16, lease_ttl_s: int = 3, tick_s: float = 0.2, device_kind: str = "cpu",
-                 switch_timeout_s: float = 30.0, security=None) -> None:
+                 switch_timeout_s: float = 30.0, security=None, host: str = "127.0.0.1",
+                 capacity: dict[str, int] | None = None, addresses: dict[str, str] | None = None,
+                 place_engines: bool = False) -> None:
         from engine.models.loader import load_hf_config, model_fingerprint, spec_from_config
 
         self.node_id, self.cluster = node_id, cluster
@@ -191,15 +198,19 @@ class EPNode:
                                                     security=security)
         self.election = LeaderElection(self.membership)
         self.rendezvous = rendezvous
+        self.host, self.capacity = host, dict(capacity or {})
+        self.addresses = {"rendezvous": rendezvous, **(addresses or {})}
         self._store = None
         spec = spec_from_config(load_hf_config(model_dir))
         self.controller = EPController(
             self.membership, self.election, cluster, num_experts=spec.num_experts, rendezvous=rendezvous,
             launch=launcher, model_fingerprint=model_fingerprint(model_dir), device_kind=device_kind,
             block_size=block_size, initial_engines=initial_engines, engine_prefix=f"{node_id}-e",
-            switch_timeout_s=switch_timeout_s)
+            switch_timeout_s=switch_timeout_s, place_engines=place_engines)
         self.tick_s = tick_s
         self.kv_figure: int | None = None  # the group's KV figure (kv_budget), for restarts
+        self.placement = None  # the leader's elastic.placement.Placement (None: none yet)
+        self.epoch_ranks: set[str] | None = None  # the current epoch's engines (None: unknown)
         self._kv_read_at = 0.0
         self._stop = threading.Event()
         self._wake = threading.Event()  # set on any change under the cluster's prefix
@@ -207,8 +218,9 @@ class EPNode:
 
     def start(self) -> "EPNode":
         self.membership.start()
-        self.membership.register_node(NodeInfo(node_id=self.node_id, host="127.0.0.1", addresses={},
-                                               capacity={}, started_at=time.time()))
+        self.started_at = time.time()
+        self.membership.register_node(NodeInfo(node_id=self.node_id, host=self.host, addresses=self.addresses,
+                                               capacity=self.capacity, started_at=self.started_at))
         self._store = host_store(self.rendezvous)  # serves the groups this node leads
         self.election.start()
         self._thread.start()
@@ -224,21 +236,24 @@ class EPNode:
             if self._stop.wait(MIN_TICK_S):  # a burst of changes makes one tick
                 break
             try:
-                self._refresh_kv_figure()
                 self.controller.tick()
+                self._refresh_view()
             except ElasticError as exc:  # etcd down: membership changes freeze, traffic goes on
                 log.warning("controller tick failed", error=str(exc))
             except Exception:
                 log.exception("controller tick crashed")
 
-    def _refresh_kv_figure(self, every_s: float = 1.0) -> None:
-        """Keep ``kv_figure`` (read by the supervisor's loop without waiting on etcd)."""
+    def _refresh_view(self, kv_every_s: float = 1.0) -> None:
+        """Keep ``placement``, ``epoch_ranks`` and ``kv_figure`` (read by the supervisor's
+        loop without waiting on etcd)."""
+        c = self.controller
+        self.placement = c.placements.read()[0]
+        epoch = c.epochs.read_epoch()[0]
+        self.epoch_ranks = set(epoch.ranks) if epoch is not None else set()
         now = time.monotonic()
-        if now - self._kv_read_at < every_s:
+        if now - self._kv_read_at < kv_every_s:
             return
         self._kv_read_at = now
-        c = self.controller
-        epoch = c.epochs.read_epoch()[0]
         budget = c.kv.smallest_for_group(c.fp, c.device_kind, epoch.ranks if epoch is not None else [])
         self.kv_figure = budget.kv_cache_bytes if budget is not None else None
 

@@ -19,6 +19,12 @@ Each ``tick`` reads the cluster (epoch, desired, engine records), asks the pure 
   reason, and ``desired`` back to that size, so serving goes on and a later ``scale`` is
   free to try again.
 
+With ``place_engines`` (``planaria serve``: every supervisor starts its own engines) the
+controller launches nothing: it places ``desired`` over the nodes (elastic/placement.py),
+writes the ``placement`` key (fenced like the epoch) for the supervisors to reconcile
+their engine slots to, and plans epochs over the engines that placement keeps. When
+``desired`` was never set, the target is the sum of the nodes' ``--engines``.
+
 The first profiled engines' figures are published to kv_budget here as they appear.
 """
 
@@ -35,8 +41,9 @@ from elastic.epochs import EpochStore
 from elastic.errors import ElasticError
 from elastic.keys import Desired, EngineState, KVBudget, OpPhase, OpRecord, encode
 from elastic.kv_budget import KVBudgetRegistry
-from elastic.planner import (LIVE_STATES, Abort, NoChange, Reform, ScaleDown, ScaleUp, epoch_served,
-                             plan_abort, plan_epoch)
+from elastic.placement import Placement, PlacementStore, allowed_engines, default_target, place
+from elastic.planner import (LIVE_STATES, Abort, NoChange, Rebalance, Reform, ScaleDown, ScaleUp,
+                             epoch_served, plan_abort, plan_epoch)
 
 log = structlog.get_logger("planaria.elastic.controller")
 
@@ -46,12 +53,15 @@ class EPController:
                  launch: Callable[[str, int | None], None] | None, model_fingerprint: str, device_kind: str,
                  block_size: int, initial_engines: int, engine_prefix: str = "",
                  launch_timeout_s: float = 300.0, first_epoch_grace_s: float = 120.0,
-                 switch_timeout_s: float = 30.0, clock: Callable[[], float] = time.time) -> None:
+                 switch_timeout_s: float = 30.0, place_engines: bool = False,
+                 clock: Callable[[], float] = time.time) -> None:
         client = membership.client
         self.membership, self.election = membership, election
         self.epochs = EpochStore(client, cluster)
         self.desired = DesiredStore(client, cluster)
         self.kv = KVBudgetRegistry(client, cluster)
+        self.placements = PlacementStore(client, cluster)
+        self.place_engines = place_engines
         self.num_experts, self.rendezvous = num_experts, rendezvous
         self.launch = launch
         self.fp, self.device_kind, self.block_size = model_fingerprint, device_kind, block_size
@@ -79,6 +89,13 @@ class EPController:
         target = desired.num_engines if desired is not None else self.initial_engines
         op = self.desired.active_op()
         records = {r.engine_id: r for r in self.membership.list_engines()}
+        allowed = None
+        if self.place_engines:
+            placed = self._place(desired, records, op, now)
+            if isinstance(placed, str):
+                self.last_action = placed
+                return placed
+            target, allowed = placed
         self._publish_profiled(records, now)
         for eid in [e for e, t in self._launched.items() if e in records or now - t > self.launch_timeout_s]:
             self._launched.pop(eid)
@@ -102,16 +119,18 @@ class EPController:
             self.last_action = f"launched {missing}"
             return self.last_action
 
-        if epoch is None and len(live) < target and now - self.started_at < self.first_epoch_grace_s:
-            return f"waiting for engines: {len(live)}/{target} live"
+        num_live = len(live) if allowed is None else len([e for e in live if e in allowed])
+        if epoch is None and num_live < target and now - self.started_at < self.first_epoch_grace_s:
+            return f"waiting for engines: {num_live}/{target} live"
         action = plan_epoch(epoch, target, live, self.num_experts, now, rendezvous=self.rendezvous,
-                            leader=self.membership.node_id)
+                            leader=self.membership.node_id, allowed=allowed)
         if not isinstance(action, Reform):
             abort = plan_abort(epoch, records, self.num_experts, now, self.switch_timeout_s,
                                rendezvous=self.rendezvous, leader=self.membership.node_id)
             if abort is not None:
                 return self._abort(abort, epoch_rev, op, desired, now)
-            if isinstance(action, (ScaleUp, ScaleDown)) and epoch is not None and not epoch_served(epoch, records):
+            if isinstance(action, (ScaleUp, ScaleDown, Rebalance)) and epoch is not None \
+                    and not epoch_served(epoch, records):
                 self.last_action = f"switching to epoch {epoch.number}"
                 return self.last_action
         if isinstance(action, NoChange):
@@ -131,6 +150,28 @@ class EPController:
         log.info("epoch written", number=action.epoch.number, kind=kind, ranks=action.epoch.ranks)
         self.last_action = f"{kind} -> epoch {action.epoch.number}"
         return self.last_action
+
+    def _place(self, desired: Desired | None, records, op, now: float) -> tuple[int, set[str]] | str:
+        """Place the cluster's engines over the nodes and write ``placement`` when it changes;
+        returns (engines placed, the engines it keeps), or why nothing is placed now."""
+        nodes = self.membership.list_nodes()
+        if self.membership.node_id not in {n.node_id for n in nodes}:
+            return "placement: waiting for this node's record"  # e.g. just after etcd came back
+        current, rev = self.placements.read()
+        target = desired.num_engines if desired is not None else default_target(nodes)
+        shares, unplaced = place(target, nodes, current.engines if current is not None else None)
+        if current is None or (current.engines, current.target, current.unplaced) != (shares, target, unplaced):
+            new = Placement(engines=shares, target=target, unplaced=unplaced, leader=self.membership.node_id,
+                            created_at=now)
+            try:
+                self.placements.write(new, rev, self.election.leader_revision or 0)
+            except ElasticError as exc:
+                log.warning("placement write refused", error=str(exc))
+                return f"placement write refused: {exc}"
+            log.info("placement written", engines=shares, target=target, unplaced=unplaced)
+            self._op(op, OpPhase.LAUNCHING, "placed " + ", ".join(f"{n}: {c}" for n, c in shares.items())
+                     + (f"; {unplaced} engine(s) fit no node's capacity" if unplaced else ""))
+        return sum(shares.values()), allowed_engines(shares, records.values())
 
     def _abort(self, abort: Abort, epoch_rev: int, op, desired: Desired | None, now: float) -> str:
         """Abort a failed switch: the next epoch at the healthy set, the op FAILED and

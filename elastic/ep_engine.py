@@ -26,9 +26,10 @@ from elastic.ep import (CollectiveError, EPGroup, EPSpec, ExpertParallel, apply_
 class EPRank:
     """Owns the group of the current epoch for one engine core."""
 
-    def __init__(self, core, spec: EPSpec) -> None:
+    def __init__(self, core, spec: EPSpec, bind_host: str | None = None) -> None:
         self.core = core
         self.spec = spec
+        self.bind_host = bind_host  # gloo's address (None: the one that routes to the store)
         self.group: EPGroup | None = None
         self.pending: EPSpec | None = None
         self.switch_times_s: dict[str, float] = {}
@@ -76,7 +77,7 @@ class EPRank:
     def commit(self, spec: EPSpec) -> None:
         """Build ``spec``'s group (every rank has arrived) and route the MoE layers through it."""
         t0 = time.monotonic()
-        self.group = EPGroup(spec, self.store(spec.rendezvous))
+        self.group = EPGroup(spec, self.store(spec.rendezvous), bind_host=self.bind_host)
         self.spec = spec
         apply_expert_parallel(self.core.runner.model, ExpertParallel(self.group, spec.expert_map))
         self.switch_times_s["form_group_s"] = time.monotonic() - t0

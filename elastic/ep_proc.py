@@ -19,7 +19,8 @@ Like ``engine.proc`` (same sockets, handshake, faults, shutdown), plus:
   the abort of a failed switch) brings the group back. A failed switch never kills a rank.
 
 Launch: ``python -m elastic.ep_proc --engine-index I --engine-id ID --input-addr ... \
-    --config-json ... --etcd-endpoints host:port --cluster NAME``; a secured etcd's TLS files,
+    --config-json ... --etcd-endpoints host:port --cluster NAME [--bind-host IP]``
+(``--bind-host``: the node's routable address, which gloo binds); a secured etcd's TLS files,
 user and password file come in ``PLANARIA_ETCD_*`` environment variables
 (elastic/etcd_security.py), never on the command line.
 """
@@ -57,11 +58,12 @@ class EPEngineCoreProc(EngineCoreProc):
     def __init__(self, engine_index: int, engine_id: str, node_id: str, input_addresses: list[str],
                  config: EngineConfig, etcd_endpoints: list[str], cluster: str,
                  settings: ProcSettings | None = None, lease_ttl_s: float = 3.0,
-                 collective_timeout_s: float = 10.0, etcd_security=None) -> None:
+                 collective_timeout_s: float = 10.0, etcd_security=None, bind_host: str | None = None) -> None:
         super().__init__(engine_index, input_addresses, config, settings)
         self.engine_id, self.node_id = engine_id, node_id
         self.etcd_endpoints, self.cluster = etcd_endpoints, cluster
         self.etcd_security = etcd_security
+        self.bind_host = bind_host
         self.lease_ttl_s, self.collective_timeout_s = lease_ttl_s, collective_timeout_s
         self.keys = KeyLayout(cluster)
         self.ep: EPRank | None = None
@@ -176,7 +178,7 @@ class EPEngineCoreProc(EngineCoreProc):
         self.timings["started_at"] = self._started_at
         self.timings["load_begin_at"] = time.time()
         self.core = make_ep_core(self.config, spec)
-        self.ep = EPRank(self.core, spec)
+        self.ep = EPRank(self.core, spec, bind_host=self.bind_host)
         self.ep.spec = msgspec.structs.replace(spec, epoch=-1)  # not in a group yet
         self.timings["load_s"] = time.monotonic() - t0
         if envs.get().gc_freeze:  # now, not between joining the group and READY (0.1-0.2 s)
@@ -398,6 +400,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cluster", default="default")
     p.add_argument("--lease-ttl-s", type=float, default=3.0)
     p.add_argument("--collective-timeout-s", type=float, default=10.0)
+    p.add_argument("--bind-host", default=None,
+                   help="the address gloo binds (this node's routable address; default: the one "
+                        "that routes to the rendezvous store)")
     args = p.parse_args(argv)
     try:
         config = msgspec.convert(_json_arg(args.config_json), EngineConfig)
@@ -415,7 +420,7 @@ def main(argv: list[str] | None = None) -> int:
     _setup_logging(args.engine_index, settings.log_level)
     proc = EPEngineCoreProc(args.engine_index, args.engine_id, args.node_id, args.input_addr, config,
                             args.etcd_endpoints.split(","), args.cluster, settings, args.lease_ttl_s,
-                            args.collective_timeout_s, etcd_security=security)
+                            args.collective_timeout_s, etcd_security=security, bind_host=args.bind_host)
     try:
         return proc.run()
     finally:

@@ -100,6 +100,17 @@ class EpochConflictError(ElasticError):
             f"found {actual_mod_revision}")
 
 
+class PlacementConflictError(ElasticError):
+    """Compare-and-swap on the placement key lost: someone wrote it since it was read."""
+
+    def __init__(self, expected_mod_revision: int, actual_mod_revision: int) -> None:
+        self.expected_mod_revision = expected_mod_revision
+        self.actual_mod_revision = actual_mod_revision
+        super().__init__(
+            f"placement changed: expected mod revision {expected_mod_revision}, "
+            f"found {actual_mod_revision}")
+
+
 class ScaleConflictError(ElasticError):
     """A scale request was refused because another operation has not finished."""
 

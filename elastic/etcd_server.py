@@ -1,4 +1,5 @@
-"""Run a single-node etcd on loopback: the embedded default and the test fixture.
+"""Run a single-node etcd: the embedded default (on loopback, or on ``host`` for the
+other nodes of a multi-host cluster: `planaria serve --etcd-listen`) and the test fixture.
 
 ``EmbeddedEtcd(data_dir)`` picks free loopback ports once and keeps them, so ``stop()``
 then ``start()`` brings the same member back on the same data dir and port (what the
@@ -81,28 +82,36 @@ def _is_script(path: str) -> bool:
         return False
 
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago (the kernel's pick)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port on ``host`` that was free a moment ago (the kernel's pick)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
         return s.getsockname()[1]
 
 
-class EmbeddedEtcd:
-    """A single-member etcd on 127.0.0.1, started with :meth:`start` or ``with``.
+def url_host(host: str) -> str:
+    """``host`` as it goes into a URL or host:port (IPv6 literals in brackets)."""
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
 
-    Attributes: ``endpoint`` ("127.0.0.1:port"), ``client_port``, ``peer_port``,
+
+class EmbeddedEtcd:
+    """A single-member etcd serving clients on ``host`` (default 127.0.0.1; its peer URL
+    stays on loopback), started with :meth:`start` or ``with``.
+
+    Attributes: ``endpoint`` ("host:port"), ``client_port``, ``peer_port``,
     ``pid`` (None when not running), ``data_dir``, ``log_path``.
     """
 
     def __init__(self, data_dir: str | os.PathLike[str], client_port: int | None = None,
                  peer_port: int | None = None, binary: str | None = None,
                  name: str | None = None, tls: ServerTLS | None = None,
-                 extra_args: Sequence[str] = ()) -> None:
+                 extra_args: Sequence[str] = (), host: str = "127.0.0.1") -> None:
+        self.host = host
         self.tls = tls
         self.extra_args = list(extra_args)
         self.data_dir = Path(data_dir)
-        self.client_port = client_port or free_port()
+        self.client_port = client_port or free_port(host)
         self.peer_port = peer_port or free_port()
         while self.peer_port == self.client_port:
             self.peer_port = free_port()
@@ -114,7 +123,7 @@ class EmbeddedEtcd:
 
     @property
     def endpoint(self) -> str:
-        return f"127.0.0.1:{self.client_port}"
+        return f"{url_host(self.host)}:{self.client_port}"
 
     @property
     def pid(self) -> int | None:
@@ -126,7 +135,7 @@ class EmbeddedEtcd:
 
     def command(self) -> list[str]:
         scheme = "https" if self.tls is not None else "http"
-        client_url = f"{scheme}://127.0.0.1:{self.client_port}"
+        client_url = f"{scheme}://{self.endpoint}"
         peer_url = f"http://127.0.0.1:{self.peer_port}"
         tls = [] if self.tls is None else [
             "--cert-file", self.tls.cert, "--key-file", self.tls.key, "--trusted-ca-file", self.tls.ca,

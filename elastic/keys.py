@@ -11,6 +11,7 @@ because they are read on other hosts.
 | ``leader``                            | node id text | the leader's     |
 | ``epoch``                             | Epoch        | none             |
 | ``desired``                           | Desired      | none             |
+| ``placement``                         | Placement    | none             |
 | ``kv_budget/<fingerprint>/<device>``  | KVBudget     | none             |
 | ``ops/<op_id>``                       | OpRecord     | none             |
 """
@@ -75,7 +76,7 @@ class NodeInfo(msgspec.Struct, kw_only=True):
     node_id: str
     host: str
     addresses: dict[str, str] = {}  # role -> "host:port", e.g. {"admin": ..., "zmq": ...}
-    capacity: dict[str, int] = {}   # e.g. {"num_engines": 4, "num_gpus": 4}
+    capacity: dict[str, int] = {}   # {"engines": its --engines, "max_engines": its --max-engines}
     started_at: float = 0.0
 
 
@@ -183,6 +184,11 @@ class KeyLayout:
     @property
     def desired(self) -> str:
         return self.prefix + "desired"
+
+    @property
+    def placement(self) -> str:
+        """node id -> engine count (elastic/placement.py), written by the leader."""
+        return self.prefix + "placement"
 
     def node(self, node_id: str) -> str:
         return self.nodes_prefix + _check_segment("node_id", node_id)

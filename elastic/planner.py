@@ -20,6 +20,12 @@ Rules, in order:
 Existing ranks never move in 3 and 4, so the only experts that change hands are those
 re-homed by the new expert map (see :func:`moves`).
 
+With ``allowed`` (the engines the leader's placement keeps, elastic/placement.py), 2-4
+become: the ranks that stay are the current ranks in ``allowed`` (at most ``desired``);
+the rest depart; new ranks come from the live engines in ``allowed``. A switch that adds
+ranks waits until all of them are live (the departing ranks serve meanwhile); one that
+both adds and removes (an engine moved to another node) is a **Rebalance**, one switch.
+
 ``plan_abort`` judges a switch in progress: the current epoch is not served by all its
 ranks yet, and some rank reported that it failed to form or run it (``failed_epoch``), or
 it has been ``switch_timeout_s`` since the leader wrote it. Then the switch is aborted:
@@ -55,6 +61,12 @@ class Reform(msgspec.Struct, frozen=True):
     dead: list[str]
 
 
+class Rebalance(msgspec.Struct, frozen=True):
+    epoch: Epoch
+    joining: list[str]
+    departing: list[str]
+
+
 class Abort(msgspec.Struct, frozen=True):
     epoch: Epoch
     failed: int            # the number of the epoch whose switch is aborted
@@ -62,7 +74,7 @@ class Abort(msgspec.Struct, frozen=True):
     reason: str
 
 
-PlanAction = NoChange | ScaleUp | ScaleDown | Reform | Abort
+PlanAction = NoChange | ScaleUp | ScaleDown | Rebalance | Reform | Abort
 LIVE_STATES = frozenset({EngineState.READY, EngineState.SERVING, EngineState.PAUSED,
                          EngineState.UNHEALTHY})
 
@@ -149,9 +161,11 @@ def plan_abort(current: Epoch | None, records: dict[str, EngineRecord], num_expe
 
 
 def plan_epoch(current: Epoch | None, desired: int, live_engines: list[str], num_experts: int,
-               now: float, *, rendezvous: str = "", leader: str = "") -> PlanAction:
+               now: float, *, rendezvous: str = "", leader: str = "",
+               allowed: set[str] | None = None) -> PlanAction:
     """Decide the next epoch. ``live_engines``: engines ready to be ranks, in preference
-    order (the caller sorts them). ``rendezvous`` and ``leader`` go into a new epoch."""
+    order (the caller sorts them). ``rendezvous`` and ``leader`` go into a new epoch.
+    ``allowed``: the engines the placement keeps (None: any live engine may be a rank)."""
     if desired < 0:
         raise ValueError(f"desired must be >= 0, got {desired}")
     live = list(dict.fromkeys(live_engines))
@@ -167,6 +181,9 @@ def plan_epoch(current: Epoch | None, desired: int, live_engines: list[str], num
     dead = [e for e in ranks if e not in live_set]
     if dead:
         return Reform(make([e for e in ranks if e in live_set]), dead)
+
+    if allowed is not None:
+        return _plan_placed(ranks, desired, [e for e in live if e in allowed], allowed, make)
 
     if not ranks:
         if desired == 0:
@@ -188,3 +205,28 @@ def plan_epoch(current: Epoch | None, desired: int, live_engines: list[str], num
         return ScaleDown(make(ranks[:desired]), ranks[desired:])
 
     return NoChange(f"world size {len(ranks)} is the desired size")
+
+
+def _plan_placed(ranks: list[str], desired: int, live: list[str], allowed: set[str], make) -> PlanAction:
+    """Rules 2-4 under a placement (``live``: the live engines it allows)."""
+    if not ranks and desired == 0:
+        return NoChange("desired is 0 and no epoch is formed")
+    if not ranks:
+        if not live:
+            return NoChange(f"waiting for engines: 0/{desired} live")
+        joining = live[:desired]
+        return ScaleUp(make(joining), joining)
+    keep = [e for e in ranks if e in allowed][:desired]
+    departing = [e for e in ranks if e not in keep]
+    wanted = desired - len(keep)
+    candidates = [e for e in live if e not in set(ranks)]
+    if len(candidates) < wanted:
+        return NoChange(f"waiting for joining engines: {len(candidates)}/{wanted} live")
+    joining = candidates[:wanted]
+    if joining and departing:
+        return Rebalance(make(keep + joining), joining, departing)
+    if joining:
+        return ScaleUp(make(keep + joining), joining)
+    if departing:
+        return ScaleDown(make(keep), departing)
+    return NoChange(f"world size {len(ranks)} is the desired size and placed")

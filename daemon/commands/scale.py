@@ -16,9 +16,16 @@ exit 0 when every engine serves (1 if the target was not reached). Without --wai
 prints what it started; `planaria scale to N --wait` for the same N follows an operation
 already under way.
 
+Expert-parallel mode (--parallel ep): the count is the cluster's, on any node: the
+command writes etcd's ``desired`` (the reply's op_id is the EP op's, adding/removing are
+empty), the leader places the engines over the nodes and each node's supervisor starts
+or removes its share; `up`/`down` start from the cluster's count. --wait shows the
+placement and the other nodes' engines too, and ends when the EP op is over, with exit 0
+when the group has the target's ranks, all serving.
+
 Errors, each changing nothing: BAD_ARGUMENT (a count below 1 or above the daemon's
---max-engines), CONFLICT (another scale operation is in progress), UNAVAILABLE
-(shutting down).
+--max-engines; in EP mode, the sum of the nodes' --max-engines), CONFLICT (another scale
+operation is in progress), UNAVAILABLE (shutting down; in EP mode, etcd unreachable).
 """
 
 from __future__ import annotations
@@ -62,7 +69,7 @@ def execute(supervisor, args: dict[str, Any]) -> dict[str, Any]:
     by = args.get("by", 1)
     if isinstance(by, bool) or not isinstance(by, int) or by < 1:
         raise BadArgumentError(f"--by must be a whole number >= 1, got {by!r}")
-    current = len(supervisor.engines)
+    current = supervisor.engine_count()
     return supervisor.scale_to(current + by if action == "up" else current - by)
 
 
@@ -100,9 +107,17 @@ def engine_label(e: dict[str, Any]) -> str:
 
 
 def progress_view(status: dict[str, Any]) -> dict[str, str]:
-    """What the display tracks: "engine N" -> its label, and "op" -> the EP op's phase."""
+    """What the display tracks: "engine N" -> its label, and "op" -> the EP op's phase; in
+    EP mode also the placement and the other nodes' engines ("engine ID" -> its record)."""
     view = {f"engine {e['engine_id']}": engine_label(e) for e in status["engines"]}
-    ep_op = (status.get("ep") or {}).get("op")
+    ep = status.get("ep") or {}
+    if ep.get("placement"):
+        view["placement"] = ", ".join(f"{n}: {c}" for n, c in sorted(ep["placement"].items()))
+    for eid, rec in sorted((ep.get("engines") or {}).items()):
+        if rec.get("node_id") and rec["node_id"] != ep.get("node_id"):
+            view[f"engine {eid}"] = f"ep {rec['state']}" + (f", rank {rec['rank']}" if rec.get("rank") is not None
+                                                            and rec.get("epoch") == ep.get("epoch") else "")
+    ep_op = ep.get("op")
     if ep_op:
         progress = f" ({ep_op['progress']})" if ep_op.get("progress") else ""
         view["op"] = f"ep op {ep_op['op_id']} to {ep_op['target']}: {ep_op['phase']}{progress}"
@@ -134,6 +149,15 @@ def render_final(status: dict[str, Any], target: int, elapsed_s: float) -> tuple
     if ep_op and ep_op["phase"] in ("failed", "cancelled"):
         return (f"scale to {target} {ep_op['phase']} after {elapsed_s:.1f}s "
                 f"(ep op {ep_op['op_id']}); {up}/{total} engines up"), False
+    ep = status.get("ep") or {}
+    if "world_size" in ep:  # EP: the cluster's group, not this node's engines, says it
+        records = ep.get("engines") or {}
+        serving = [r for r in ep["ranks"] if (records.get(r) or {}).get("state") == "serving"]
+        placed = ", ".join(f"{n}: {c}" for n, c in sorted((ep.get("placement") or {}).items()))
+        if ep["world_size"] == target and len(serving) == target:
+            return f"done: {target} engines serving ({elapsed_s:.1f}s)" + (f"; placed {placed}" if placed else ""), True
+        return (f"scale to {target} ended after {elapsed_s:.1f}s with {len(serving)}/{ep['world_size']} "
+                f"rank(s) serving in epoch {ep.get('epoch')}" + (f"; placed {placed}" if placed else "")), False
     if total == target and up == target:
         return f"done: {target} engines serving ({elapsed_s:.1f}s)", True
     bad = [f"engine {e['engine_id']} {engine_label(e)}" for e in status["engines"]

@@ -154,14 +154,13 @@ def _admin_tcp(config, log) -> dict:
 
 
 def _start_ep(config, supervisor, log):
-    """Embedded etcd (unless --etcd-endpoints), this node's lease, election and leader
-    controller; engines are this supervisor's children, started as EP ranks."""
-    import socket
-
+    """Embedded etcd (unless --etcd-endpoints), this node's lease, record, election and leader
+    controller; engines are this supervisor's children, started as EP ranks, as many as the
+    leader's placement gives this node (its --engines until there is one)."""
     from daemon.ep_supervisor import EPSupervisor
     from daemon.launch import node_id
     from elastic.cluster import EPNode
-    from elastic.etcd_server import EmbeddedEtcd
+    from elastic.etcd_server import EmbeddedEtcd, free_port, url_host
     from engine.models.loader import load_hf_config, spec_from_config
 
     if not spec_from_config(load_hf_config(config.model)).is_moe:
@@ -169,25 +168,30 @@ def _start_ep(config, supervisor, log):
     etcd = None
     endpoints = config.etcd_endpoints
     if not endpoints:
-        etcd = EmbeddedEtcd(Path(config.state_dir) / "etcd")
+        host, port = config.etcd_listen_address()
+        etcd = EmbeddedEtcd(Path(config.state_dir) / "etcd", client_port=port, host=host)
         etcd.start()
         endpoints = etcd.endpoint
         log.info("embedded etcd started", endpoint=endpoints, pid=etcd.pid)
     security = config.etcd_security()
     supervisor.launcher.etcd_endpoints = endpoints
     supervisor.launcher.etcd_env = security.to_env()  # engines: paths and user via env, never argv
-    rendezvous = config.rendezvous
-    if not rendezvous:
-        s = socket.socket()
-        s.bind(("127.0.0.1", 0))
-        rendezvous = f"127.0.0.1:{s.getsockname()[1]}"
-        s.close()
+    host = config.advertise_host or "127.0.0.1"
+    rendezvous = config.rendezvous or f"{url_host(host)}:{free_port(host)}"
+    addresses = {"http": config.http, **({"etcd": endpoints} if etcd is not None else {})}
     node = EPNode(node_id(config), config.cluster, endpoints.split(","), model_dir=config.model,
                   launcher=None, initial_engines=config.num_engines, rendezvous=rendezvous,
-                  security=security)
-    node.start()
+                  security=security, host=host, addresses=addresses, place_engines=True,
+                  capacity={"engines": config.num_engines, "max_engines": config.max_engines})
+    try:
+        node.start()
+    except Exception:
+        if etcd is not None:
+            etcd.stop()
+        raise
     supervisor.ep = EPSupervisor(node, supervisor.log)
-    log.info("expert parallelism on", cluster=config.cluster, node=node.node_id, rendezvous=rendezvous)
+    log.info("expert parallelism on", cluster=config.cluster, node=node.node_id, host=host,
+             rendezvous=rendezvous, etcd=endpoints)
     return node, etcd
 
 

@@ -7,10 +7,13 @@ Wire: {"command": "status", "args": {}} -> {"status": "...", "engines": [{"engin
 "kv_usage", "kv_cache_bytes", "kv_source", ...}], "frontend": {...}, "scale": ...}.
 kv_source is "profiled" (measured at start), "given" (--engine-config-json
 kv_cache_bytes) or "reused" (a scale-up engine that took the running engines' figure).
-With --parallel ep, "ep" holds the epoch, its ranks, whether this node leads, the active
+With --parallel ep, "ep" holds the epoch, its ranks, whether this node leads, the
+cluster's desired count, the leader's placement (node -> engines, and "unplaced" when
+capacity is short), the nodes (host, HTTP address, --engines, --max-engines), the active
 scale op ("op") and the last finished one ("last_op", with the error of a failed one),
-and each engine's etcd record; the text view shows them above the table, and each
-engine's epoch and record state in it.
+and every engine's etcd record (its node among them); the text view shows them above the
+table, and each local engine's epoch and record state in it. The table lists this
+node's engines; the other nodes' are in the placement line.
 """
 
 from __future__ import annotations
@@ -92,6 +95,15 @@ def ep_lines(ep: dict[str, Any]) -> list[str]:
     ranks = ", ".join(ep.get("ranks") or []) or "none"
     lines = [f"expert parallel: epoch {epoch}, {ep.get('world_size', 0)} rank(s): {ranks}"
              + ("; this node leads" if ep.get("leader") else "")]
+    if ep.get("placement") is not None:
+        nodes = ep.get("nodes") or {}
+        placed = ", ".join(f"{n} {c}" + (f"/{nodes[n]['max_engines']}" if nodes.get(n, {}).get("max_engines")
+                                         else "") + (f" ({nodes[n]['host']})" if nodes.get(n, {}).get("host") else "")
+                           for n, c in sorted(ep["placement"].items()))
+        desired = ep.get("desired")
+        lines.append(f"placement: {placed or 'none'}"
+                     + (f"; desired {desired}" if desired is not None else "; desired not set (the nodes' --engines)")
+                     + (f"; {ep['unplaced']} engine(s) fit no node" if ep.get("unplaced") else ""))
 
     def op_line(label: str, op: dict[str, Any]) -> str:
         line = f"{label} {op['op_id']}: {op['phase']}, to {op['target']} engine(s)"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from elastic.keys import EngineRecord, EngineState, Epoch
-from elastic.planner import (Abort, ExpertMove, NoChange, Reform, ScaleDown, ScaleUp, engine_moves,
+from elastic.planner import (Abort, ExpertMove, NoChange, Rebalance, Reform, ScaleDown, ScaleUp, engine_moves,
                              expert_map, moves, plan_abort, plan_epoch)
 
 NOW = 1000.0
@@ -172,3 +172,36 @@ def test_plan_abort(records, now, expected):
 
 def test_plan_abort_no_epoch():
     assert plan_abort(None, {}, 8, NOW, 10.0) is None
+
+
+# -- under a placement (allowed: the engines it keeps) -------------------------------------------
+# (name, current ranks or None, desired, live, allowed, expected type, new ranks, joining, departing)
+PLACED = [
+    ("bootstrap, only the placed", None, 2, ["a0", "a1", "b0"], {"a0", "b0"}, ScaleUp, ["a0", "b0"], ["a0", "b0"], []),
+    ("scale up on another node", ["a0", "b0"], 3, ["a0", "b0", "a1"], {"a0", "b0", "a1"}, ScaleUp,
+     ["a0", "b0", "a1"], ["a1"], []),
+    ("an unplaced live engine never joins", ["a0"], 2, ["a0", "a1"], {"a0", "b0"}, NoChange, None, None, None),
+    ("scale down: the unplaced rank departs, not the highest", ["a0", "a1", "b0"], 2, ["a0", "a1", "b0"],
+     {"a0", "b0"}, ScaleDown, ["a0", "b0"], [], ["a1"]),
+    ("moved to another node: one switch, once the joiner is live", ["a0", "a1"], 2, ["a0", "a1", "b0"],
+     {"a0", "b0"}, Rebalance, ["a0", "b0"], ["b0"], ["a1"]),
+    ("moved, joiner not live yet: the old rank serves meanwhile", ["a0", "a1"], 2, ["a0", "a1"],
+     {"a0", "b0"}, NoChange, None, None, None),
+    ("placed and sized", ["a0", "b0"], 2, ["a0", "b0", "a1"], {"a0", "b0"}, NoChange, None, None, None),
+    ("a dead rank still re-forms first", ["a0", "b0"], 2, ["a0"], {"a0", "b0"}, Reform, ["a0"], None, None),
+]
+
+
+@pytest.mark.parametrize("name, ranks, desired, live, allowed, kind, new_ranks, joining, departing",
+                         PLACED, ids=[c[0] for c in PLACED])
+def test_plan_epoch_under_a_placement(name, ranks, desired, live, allowed, kind, new_ranks, joining, departing):
+    current = epoch(5, ranks) if ranks is not None else None
+    action = plan_epoch(current, desired, live, num_experts=8, now=NOW, allowed=allowed)
+    assert type(action) is kind, action
+    if kind is NoChange:
+        assert action.reason
+        return
+    assert action.epoch.ranks == new_ranks and action.epoch.world_size == len(new_ranks)
+    assert action.epoch.expert_map == expert_map(8, len(new_ranks))
+    if kind is not Reform:
+        assert getattr(action, "joining", []) == joining and getattr(action, "departing", []) == departing

@@ -1,0 +1,126 @@
+"""The supervisor following its node's share of the leader's placement (EP mode), with a
+fake spawner and clock and a fake EPNode (its cached placement, epoch ranks, KV figure)."""
+
+from __future__ import annotations
+
+import signal
+from types import SimpleNamespace
+
+from daemon.ep_supervisor import EPSupervisor
+from daemon.slot import SlotState
+from elastic.placement import Placement
+from tests.daemon.test_supervisor_logic import beat, die, engine_child, make
+
+
+def ep_sup(num_engines=1, **flags):
+    sup, spawner, clock, notifier, deaths = make(num_engines, parallel="ep", node_id="a",
+                                                 runtime_dir=flags.pop("runtime_dir", "/nonexistent"), **flags)
+    node = SimpleNamespace(node_id="a", placement=None, epoch_ranks=set(), kv_figure=None)
+    sup.ep = EPSupervisor(node, sup.log)
+    return sup, spawner, clock, node
+
+
+def place(node, **shares):
+    node.placement = Placement(engines=shares, target=sum(shares.values()))
+
+
+def test_nothing_placed_yet_keeps_the_nodes_engines():
+    sup, spawner, _clock, _node = ep_sup(2)
+    sup.tick()
+    assert sorted(sup.engines) == [0, 1] and len(spawner.children) == 3
+
+
+def test_a_larger_share_adds_engines_with_the_reused_kv_figure():
+    sup, spawner, _clock, node = ep_sup(1)
+    beat(sup, 0, kv=5 << 20, source="profiled")
+    node.kv_figure = 4 << 20  # the group's kv_budget (another node's engines)
+    place(node, a=3, b=1)
+    sup.tick()
+    assert sorted(sup.engines) == [0, 1, 2]
+    for i in (1, 2):
+        argv = engine_child(spawner, i).spec.argv
+        assert argv[argv.index("--engine-id") + 1] == f"a-e{i}"
+        config = argv[argv.index("--config-json") + 1]
+        assert '"kv_cache_bytes":4194304' in config and '"kv_source":"reused"' in config
+    sup.tick()  # matched: nothing more
+    assert len(spawner.children) == 4
+
+
+def test_a_smaller_share_removes_the_highest_ids_ranks_leave_at_the_epoch():
+    sup, spawner, _clock, node = ep_sup(3)
+    for i in range(3):
+        beat(sup, i)
+    node.epoch_ranks = {"a-e0", "a-e1", "b-e0"}  # a-e2 is in no epoch yet
+    place(node, a=1, b=1)
+    sup.tick()
+    e1, e2 = sup.engines[1], sup.engines[2]
+    assert e1.after_exit == "remove" and e1.state is SlotState.RUNNING  # leaves at the scale-down epoch
+    assert not engine_child(spawner, 1).signals
+    assert e2.state is SlotState.STOPPING and engine_child(spawner, 2).signals == [signal.SIGTERM]
+    die(sup, engine_child(spawner, 1), code=0)  # it left at the epoch
+    die(sup, engine_child(spawner, 2), code=0)
+    assert sorted(sup.engines) == [0]
+    sup.tick()
+    assert sorted(sup.engines) == [0]
+
+
+def test_a_share_back_up_keeps_a_rank_that_had_not_left_yet():
+    sup, spawner, _clock, node = ep_sup(2)
+    beat(sup, 0)
+    beat(sup, 1)
+    node.epoch_ranks = {"a-e0", "a-e1"}
+    place(node, a=1)
+    sup.tick()
+    assert sup.engines[1].after_exit == "remove"
+    place(node, a=2)
+    sup.tick()
+    assert sup.engines[1].after_exit == "" and sorted(sup.engines) == [0, 1]
+    assert len(spawner.children) == 3  # nothing new was started
+
+
+def test_a_share_of_zero_removes_every_engine_and_a_restart_is_not_a_new_slot():
+    sup, spawner, _clock, node = ep_sup(1)
+    beat(sup, 0)
+    node.epoch_ranks = {"a-e0"}
+    place(node, a=1)
+    die(sup, engine_child(spawner, 0))  # crashed: restarted in its own slot, not re-placed
+    sup.tick()
+    assert sorted(sup.engines) == [0] and sup.engines[0].state is SlotState.BACKOFF
+    place(node, a=0)
+    sup.tick()
+    assert sup.engines == {}  # no process: the slot just goes
+
+
+def test_the_ep_poll_keeps_the_loop_waking():
+    sup, _spawner, clock, _node = ep_sup(1)
+    assert sup.tick() <= clock() + 0.1 + 1e-9
+
+
+def test_multi_host_flags_are_checked():
+    import pytest
+
+    from daemon import config as config_mod
+
+    def build(**flags):
+        return config_mod.build({"model": "/m", "parallel": "ep", **flags}, environ={})
+
+    assert build(etcd_listen="10.0.0.1:2379").etcd_listen_address() == ("10.0.0.1", 2379)
+    assert build(etcd_listen="10.0.0.1").etcd_listen_address() == ("10.0.0.1", None)
+    assert build(etcd_listen="[fd00::1]:2379").etcd_listen_address() == ("fd00::1", 2379)
+    assert build().etcd_listen_address() == ("127.0.0.1", None)
+    assert build(advertise_host="10.0.0.2").advertise_host == "10.0.0.2"
+    for flags, message in [({"advertise_host": "node-b"}, "--advertise-host wants an IP"),
+                           ({"etcd_listen": "10.0.0.1:http"}, "--etcd-listen wants"),
+                           ({"etcd_listen": "10.0.0.1:2379", "etcd_endpoints": "10.0.0.1:2379"},
+                            "give one or the other")]:
+        with pytest.raises(config_mod.ConfigError, match=message):
+            build(**flags)
+
+
+def test_engines_of_a_routable_node_bind_gloo_to_its_address():
+    sup, spawner, _clock, _node = ep_sup(1, advertise_host="10.0.0.2")
+    argv = engine_child(spawner, 0).spec.argv
+    assert argv[argv.index("--bind-host") + 1] == "10.0.0.2"
+    sup, spawner, _clock, _node = ep_sup(1)
+    assert "--bind-host" not in engine_child(spawner, 0).spec.argv
+
