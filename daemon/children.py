@@ -43,6 +43,7 @@ class ChildSpec:
     env: dict[str, str] = field(default_factory=dict, repr=False)
     log_path: str | None = None
     cwd: str | None = None
+    stdin_pipe: bool = False  # a pipe to the child's stdin (a warm standby's assignment), else /dev/null
 
 
 class Child(Protocol):
@@ -144,7 +145,8 @@ class PopenSpawner:
             log.flush()
         try:
             popen = subprocess.Popen(
-                spec.argv, env=spec.env or None, cwd=spec.cwd, stdin=subprocess.DEVNULL,
+                spec.argv, env=spec.env or None, cwd=spec.cwd,
+                stdin=subprocess.PIPE if spec.stdin_pipe else subprocess.DEVNULL,
                 stdout=log if log else subprocess.DEVNULL, stderr=subprocess.STDOUT,
                 start_new_session=True, preexec_fn=_die_with_parent, close_fds=True)
         finally:

@@ -69,6 +69,8 @@ class ServeConfig(msgspec.Struct, kw_only=True, frozen=True):
     # etcd_listen (HOST or HOST:PORT) so that other nodes can join it with --etcd-endpoints.
     advertise_host: str = ""
     etcd_listen: str = ""
+    # EP: warm standby engine processes kept per node (daemon/standby_pool.py); 0: none.
+    num_standby: int = 1
     # A secured etcd cluster (--etcd-endpoints): TLS files, user and password file. The
     # engines get them through their environment (paths and user name only).
     etcd_ca_cert: str = ""
@@ -112,6 +114,8 @@ class ServeConfig(msgspec.Struct, kw_only=True, frozen=True):
         if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
             raise ConfigError(f"unknown log level {self.log_level!r}")
         self.restart_policy()  # RestartPolicy validates its own numbers
+        if self.num_standby < 0:
+            raise ConfigError(f"--standby must be >= 0, got {self.num_standby}")
         if self.advertise_host:
             _ip(self.advertise_host, "--advertise-host")
         if self.etcd_listen:
@@ -223,6 +227,9 @@ _FLAGS: list[tuple[str, str, Any, str]] = [
     ("--advertise-host", "advertise_host", str,
      "ep: this node's routable IP for the other nodes: its record, its rendezvous store and the "
      "address gloo binds (default 127.0.0.1: a one-host cluster)"),
+    ("--standby", "num_standby", int,
+     "ep: warm standby engine processes to keep (imports done, no model state), taken by a "
+     "scale-up or a restart instead of a cold start (default 1; 0: none)"),
     ("--etcd-listen", "etcd_listen", str,
      "ep: IP[:PORT] the embedded etcd serves clients on, for the other nodes' --etcd-endpoints "
      "(default 127.0.0.1 and a free port; no TLS or auth: use a private network)"),

@@ -4,6 +4,7 @@
     engine i:  python -m engine.proc --engine-index i --input-addr ipc://R/fe0-in
                    --config-json '{"model": M, ...}' --settings-json '{"heartbeat_address": ...}'
                (EP: python -m elastic.ep_proc ... --engine-id NODE-eI --etcd-endpoints ...)
+    standby:   python -m elastic.standby --model M --ready-file R/standby-K.ready (EP; stdin a pipe)
 
 Sockets in the runtime dir: ``fe0-in`` / ``fe0-out`` are the frontend's ROUTER / PULL
 (engine.client.ipc_addresses); ``sv-hb`` is the supervisor's heartbeat PULL. Engines
@@ -37,9 +38,14 @@ def log_dir(config: ServeConfig) -> Path:
     return Path(config.state_dir) / "logs"
 
 
+def standby_key(number: int) -> tuple[str, int]:
+    return ("standby", number)
+
+
 def log_path(config: ServeConfig, key) -> Path:
-    name = "frontend" if key == FRONTEND_KEY else f"engine-{key[1]}"
-    return log_dir(config) / f"{name}.log"
+    name = ("frontend" if key == FRONTEND_KEY else "standby" if key[0] == "standby"
+            else f"engine-{key[1]}")
+    return log_dir(config) / f"{name}.log"  # standbys share one (a taken one writes to its engine's)
 
 
 def heartbeat_address(config: ServeConfig) -> str:
@@ -123,6 +129,15 @@ class Launcher:
         etcd_env = self.etcd_env if cfg.parallel == "ep" else {}
         return ChildSpec(key=key, argv=argv, env=self._env(PLANARIA_ENGINE_ID=str(engine_id), **etcd_env),
                          log_path=str(log_path(cfg, key)), cwd=cfg.state_dir)
+
+    def standby(self, number: int, ready_file: str) -> ChildSpec:
+        """A warm standby EP engine process (elastic/standby.py): imports done, waiting for
+        its assignment on stdin (daemon/standby_pool.py)."""
+        cfg = self.config
+        key = standby_key(number)
+        argv = [self.python, "-m", "elastic.standby", "--model", cfg.model, "--ready-file", ready_file]
+        return ChildSpec(key=key, argv=argv, env=self._env(**self.etcd_env), log_path=str(log_path(cfg, key)),
+                         cwd=cfg.state_dir, stdin_pipe=True)
 
     def frontend(self, num_engines: int) -> ChildSpec:
         cfg = self.config

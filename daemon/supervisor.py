@@ -38,6 +38,7 @@ from daemon.launch import FRONTEND_KEY, Launcher, engine_key
 from daemon.logging import get_logger
 from daemon.restart_policy import GiveUp, HoldOff, RestartAt, RestartNow
 from daemon.slot import ScaleOp, Slot, SlotState
+from daemon.standby_pool import StandbyPool
 
 EXIT_OK, EXIT_FAILURE = 0, 1
 EXIT_CONFIG = 2  # every engine was refused for its configuration: restarting cannot help
@@ -85,13 +86,16 @@ class Supervisor:
         self._last_status = ""
         self.log = get_logger("planaria.supervisor")
         self.ep: EPSupervisor | None = None  # the EP half when config.parallel == "ep" (set by serve)
+        self.standby = (StandbyPool(config.num_standby, self.launcher, spawner, clock, self.log)
+                        if config.parallel == "ep" and config.num_standby > 0 else None)
 
     # -- views --------------------------------------------------------------------------
     def slots(self) -> list[Slot]:
         return [self.frontend, *(self.engines[i] for i in sorted(self.engines))]
 
     def live_children(self) -> list[Child]:
-        return [s.child for s in self.slots() if s.child is not None]
+        standbys = self.standby.children() if self.standby is not None else []
+        return [*(s.child for s in self.slots() if s.child is not None), *standbys]
 
     @property
     def done(self) -> bool:
@@ -128,11 +132,13 @@ class Supervisor:
         slot.num_starts += 1
         spec = (self.launcher.frontend(len(self.engines)) if slot.key == FRONTEND_KEY
                 else self.launcher.engine(slot.engine_id, slot.extra_config))
-        slot.child = self.spawner.spawn(spec)
+        warm = self.standby.take(spec, now) if self.standby is not None else None
+        slot.child = warm or self.spawner.spawn(spec)
         slot.state, slot.started_at, slot.due_at, slot.kill_at = SlotState.STARTING, now, None, None
         slot.heartbeat = None
         self.policy.record_start(slot.key, now)
-        self._slot_log(slot).info("started", restarts=self.policy.restarts(slot.key))
+        self._slot_log(slot).info("started", restarts=self.policy.restarts(slot.key),
+                                  **({"from_standby": True} if warm is not None else {}))
         if slot.key == FRONTEND_KEY:
             for engine in self.engines.values():
                 if engine.state is SlotState.WAITING:
@@ -146,6 +152,8 @@ class Supervisor:
             return  # spurious wakeup
         slot = next((s for s in self.slots() if s.child is child), None)
         if slot is None:
+            if self.standby is not None and self.standby.on_exit(child, self.clock(), describe_exit(code)):
+                self._notify_status()
             return
         now = self.clock()
         reason = slot.kill_reason or describe_exit(code)
@@ -250,6 +258,8 @@ class Supervisor:
                                       startup_s=round(now - slot.started_at, 3))
             if self.frontend.state is SlotState.STARTING:
                 self.frontend.state = SlotState.RUNNING
+            if self.standby is not None:
+                self.standby.enable(now)  # now that an engine has started, not before
             self._update_scale_op()
             self._notify_status()
         if slot.state is SlotState.RUNNING:
@@ -287,7 +297,9 @@ class Supervisor:
             times.append(now + self.config.hang_timeout_s / 4)
         if self.ep is not None:
             times.append(now + EP_POLL_S)
-        return min(times) if times else None
+        if self.standby is not None and not self.shutting_down:
+            times.append(self.standby.tick(now))
+        return min((t for t in times if t is not None), default=None)
 
     # -- systemd ------------------------------------------------------------------------
     def status_line(self) -> str:
@@ -324,12 +336,16 @@ class Supervisor:
                 self._stop(slot, "stop")
             elif slot.state is not SlotState.FAILED:
                 slot.state, slot.due_at = SlotState.STOPPED, None
+        if self.standby is not None:
+            self.standby.stop(signal.SIGTERM)
 
     def kill_all(self) -> None:
         """A second stop request: do not wait for the drain."""
         for slot in self.slots():
             if slot.child is not None:
                 slot.child.send_signal(signal.SIGKILL)
+        if self.standby is not None:
+            self.standby.stop(signal.SIGKILL)
 
     def _stop(self, slot: Slot, after_exit: str, sig: int = signal.SIGTERM) -> None:
         slot.after_exit = after_exit
@@ -540,4 +556,5 @@ class Supervisor:
                 "scale": None if op is None else {"op_id": op.op_id, "target": op.target,
                                                   "adding": op.adding, "removing": op.removing},
                 "frontend": child(self.frontend), "engines": engines,
-                "state_dir": self.config.state_dir, "parallel": self.config.parallel, "ep": ep}
+                "state_dir": self.config.state_dir, "parallel": self.config.parallel, "ep": ep,
+                "standby": self.standby.status(now) if self.standby is not None else None}

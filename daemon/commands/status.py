@@ -13,7 +13,9 @@ capacity is short), the nodes (host, HTTP address, --engines, --max-engines), th
 scale op ("op") and the last finished one ("last_op", with the error of a failed one),
 and every engine's etcd record (its node among them); the text view shows them above the
 table, and each local engine's epoch and record state in it. The table lists this
-node's engines; the other nodes' are in the placement line.
+node's engines; the other nodes' are in the placement line. "standby" (EP, --standby N)
+lists the warm standby processes (pid, "warming" or "ready", uptime), how many were taken
+by an engine start, and when the next one starts.
 """
 
 from __future__ import annotations
@@ -79,12 +81,23 @@ def render(data: dict[str, Any]) -> str:
                      f"removing {s['removing']}")
     if ep:
         lines += ep_lines(ep)
+    if data.get("standby"):
+        lines.append(standby_line(data["standby"]))
     lines.append("")
     lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
     for e in data["engines"]:
         if e["state"] in ("backoff", "failed", "drained", "waiting") and e["reason"]:
             lines.append(f"engine {e['engine_id']}: {e['reason']}")
     return "\n".join(lines)
+
+
+def standby_line(sb: dict[str, Any]) -> str:
+    """The warm standby processes: pid, warming or ready, age; when the next one starts."""
+    procs = ", ".join(f"pid {p['pid']} {p['state']} ({_fmt_s(p['uptime_s'])})" for p in sb["processes"]) or "none"
+    line = f"standby: {procs}; {sb['num_taken']} taken"
+    if sb.get("next_start_in_s") is not None:
+        line += f"; next starts in {sb['next_start_in_s']:.0f}s"
+    return line
 
 
 def ep_lines(ep: dict[str, Any]) -> list[str]:

@@ -13,6 +13,7 @@ from tests.daemon.test_supervisor_logic import beat, die, engine_child, make
 
 
 def ep_sup(num_engines=1, **flags):
+    flags.setdefault("num_standby", 0)
     sup, spawner, clock, notifier, deaths = make(num_engines, parallel="ep", node_id="a",
                                                  runtime_dir=flags.pop("runtime_dir", "/nonexistent"), **flags)
     node = SimpleNamespace(node_id="a", placement=None, epoch_ranks=set(), kv_figure=None)
@@ -124,3 +125,80 @@ def test_engines_of_a_routable_node_bind_gloo_to_its_address():
     sup, spawner, _clock, _node = ep_sup(1)
     assert "--bind-host" not in engine_child(spawner, 0).spec.argv
 
+
+# -- warm standbys ---------------------------------------------------------------------------
+def standby_sup(tmp_path, num_standby=1):
+    sup, spawner, clock, node = ep_sup(1, num_standby=num_standby, runtime_dir=str(tmp_path), state_dir=str(tmp_path))
+    written = {}
+    sup.standby.write = lambda child, line: written.__setitem__(child.pid, line)
+    return sup, spawner, clock, node, written
+
+
+def standbys(spawner):
+    return [c for c in spawner.children if c.spec.key[0] == "standby" and c.returncode is None]
+
+
+def test_a_standby_starts_once_an_engine_serves_and_a_scale_up_takes_it(tmp_path):
+    import json
+
+    sup, spawner, clock, node, written = standby_sup(tmp_path)
+    sup.tick()
+    assert not standbys(spawner)  # its imports would slow the first engines' start
+    beat(sup, 0, kv=5 << 20)
+    sup.tick()
+    [sb] = standbys(spawner)
+    assert sb.spec.argv[1:3] == ["-m", "elastic.standby"] and sb.spec.stdin_pipe
+    assert sup.status()["standby"]["processes"] == [{"pid": sb.pid, "state": "warming", "uptime_s": 0.0}]
+    (tmp_path / "standby-1.ready").touch()  # what elastic.standby does once warm
+    assert sup.status()["standby"]["processes"][0]["state"] == "ready"
+    assert sb in sup.live_children()
+    place(node, a=2)
+    sup.tick()
+    assert sup.engines[1].child is sb  # the standby process goes on as engine 1
+    assignment = json.loads(written[sb.pid])
+    assert assignment["argv"][assignment["argv"].index("--engine-id") + 1] == "a-e1"
+    assert '"kv_source":"reused"' in assignment["argv"][assignment["argv"].index("--config-json") + 1]
+    assert assignment["log_path"].endswith("engine-1.log") and assignment["env"] == {"PLANARIA_ENGINE_ID": "1"}
+    assert "warm standby pid" in (tmp_path / "logs" / "engine-1.log").read_text()
+    assert sup.status()["standby"]["processes"] == [] and sup.status()["standby"]["num_taken"] == 1
+    clock.t += 5
+    sup.tick()
+    assert standbys(spawner) == []  # replaced later, not during the join
+    clock.t += 6
+    sup.tick()
+    assert len(standbys(spawner)) == 1
+
+
+def test_a_restart_takes_the_standby_and_a_dead_standby_is_replaced_with_backoff(tmp_path):
+    sup, spawner, clock, node, written = standby_sup(tmp_path)
+    beat(sup, 0)
+    sup.tick()
+    [sb] = standbys(spawner)
+    die(sup, engine_child(spawner, 0))
+    clock.t += 1.0  # the restart backoff
+    sup.tick()
+    assert sup.engines[0].child is sb and sb.pid in written
+    clock.t += 11
+    sup.tick()
+    [sb2] = standbys(spawner)
+    die(sup, sb2, code=1)  # a standby that dies young: replaced after 20 s, then 40 s
+    assert sup.engines[0].child is sb  # nothing else changed
+    clock.t += 15
+    sup.tick()
+    assert not standbys(spawner)
+    clock.t += 6
+    sup.tick()
+    assert len(standbys(spawner)) == 1
+
+
+def test_shutdown_stops_the_standby_by_pid(tmp_path):
+    sup, spawner, clock, node, written = standby_sup(tmp_path)
+    beat(sup, 0)
+    sup.tick()
+    [sb] = standbys(spawner)
+    sup.begin_shutdown()
+    assert sb.signals == [signal.SIGTERM] and not sup.done
+    die(sup, sb, code=-15)
+    die(sup, engine_child(spawner, 0), code=0)
+    die(sup, spawner.live(("frontend",))[-1], code=0)
+    assert sup.done

@@ -48,3 +48,10 @@ def test_ep_view_shows_a_failed_op_with_its_reason_and_etcd_outage():
     assert "this node leads" not in text
     text = status.render(data({"error": "etcd unreachable: down"}, engine(0)))
     assert "expert parallel: etcd unreachable: down" in text
+
+
+def test_standby_line():
+    sb = {"size": 1, "num_taken": 2, "next_start_in_s": 7.2,
+          "processes": [{"pid": 41, "state": "ready", "uptime_s": 75.0}]}
+    text = status.render({**data(EP, engine(0)), "standby": sb})
+    assert "standby: pid 41 ready (1m15s); 2 taken; next starts in 7s" in text.splitlines()

@@ -58,11 +58,21 @@ def test_ep_group_serves_single_engine_output(daemon, reference):
     assert {e["kv_source"] for e in s["engines"]} == {"given"}
 
 
-def test_scale_up_reuses_kv_then_scale_down(daemon, reference):
+def _standby_ready(s: dict) -> bool:
+    return bool(s["standby"]["processes"]) and s["standby"]["processes"][0]["state"] == "ready"
+
+
+def test_scale_up_takes_the_warm_standby_reuses_kv_then_scale_down(daemon, reference):
+    s = daemon.wait(_standby_ready, 120, "a warm standby")
+    standby_pid = s["standby"]["processes"][0]["pid"]
+    assert "standby: pid" in daemon.cli("status").stdout
     r = daemon.cli("scale", "to", "3", "--wait")
     assert r.returncode == 0, r.stdout + r.stderr
     s = daemon.wait(lambda s: _group(s, 3), 180, "EP group of 3")
     assert [e["kv_source"] for e in s["engines"]] == ["given", "given", "reused"]
+    assert s["engines"][2]["pid"] == standby_pid  # the standby process went on as the new rank
+    assert s["standby"]["num_taken"] == 1
+    assert "warm standby pid" in (daemon.state / "logs" / "engine-2.log").read_text()
     assert _text(daemon) == reference
     r = daemon.cli("scale", "down", "--wait")
     assert r.returncode == 0, r.stdout + r.stderr
