@@ -8,7 +8,7 @@ calls it where EP differs, and it reaches etcd only through this node's ``EPNode
   decide; the supervisor acts): missing engines are added (lowest free ids), extra ones
   removed (highest ids first, the rule the leader's placement keeps to): a rank leaves at
   the scale-down epoch, after its requests moved to survivors; an engine in no epoch is
-  stopped. Until the leader has placed anything the node runs its --engines;
+  stopped. Until the leader has placed this node the node runs its --engines;
 - a restarted or added rank takes the group's KV figure (``reused_kv_config``), never
   profiling again;
 - a dead engine's etcd record is deleted at once (``forget_engine``), off the loop thread;
@@ -58,9 +58,10 @@ class EPSupervisor:
 
     # -- this node's share -------------------------------------------------------------------
     def share(self) -> int | None:
-        """This node's engine count in the leader's placement (None: nothing placed yet)."""
+        """This node's engine count in the leader's placement (None: not placed yet, e.g. a
+        node that just joined, whose record the leader has not seen: it keeps its engines)."""
         placement = self.node.placement
-        return placement.engines.get(self.node_id, 0) if placement is not None else None
+        return placement.engines.get(self.node_id) if placement is not None else None
 
     def slot_changes(self, slots: dict[int, Any]) -> SlotChanges | None:
         """How the slots (engine id -> daemon.slot.Slot) should change to match the share;

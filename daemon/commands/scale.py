@@ -207,10 +207,14 @@ def main(args: argparse.Namespace) -> int:
         return EXIT_BAD_ARGUMENT
     try:
         if args.wait and request["action"] == "to":  # an operation to N under way: follow it
-            scale = call(args, "status").get("scale")
+            status = call(args, "status")
+            scale, ep_op = status.get("scale"), (status.get("ep") or {}).get("op")
             if scale is not None and scale["target"] == request["engines"]:
                 print(f"following scale op {scale['op_id']} to {scale['target']} engines")
                 return _wait(args, scale["op_id"], scale["target"])
+            if ep_op is not None and ep_op["target"] == request["engines"]:
+                print(f"following ep op {ep_op['op_id']} to {ep_op['target']} engines")
+                return _wait(args, ep_op["op_id"], ep_op["target"])
         data = call(args, NAME, **request)
         if not data["changed"]:
             print(f"already {data['engines']} engines")

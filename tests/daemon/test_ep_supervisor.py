@@ -202,3 +202,10 @@ def test_shutdown_stops_the_standby_by_pid(tmp_path):
     die(sup, engine_child(spawner, 0), code=0)
     die(sup, spawner.live(("frontend",))[-1], code=0)
     assert sup.done
+
+
+def test_a_node_the_leader_has_not_placed_yet_keeps_its_engines():
+    sup, spawner, _clock, node = ep_sup(1)
+    place(node, b=2)  # written before this node's record reached the leader
+    sup.tick()
+    assert sorted(sup.engines) == [0] and not engine_child(spawner, 0).signals
