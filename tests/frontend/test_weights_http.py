@@ -184,10 +184,12 @@ def test_responses_and_models_carry_the_weight_version(daemon, ckpts):
     assert r["weight_version"] == v_a and r["choices"][0]["text"] == _reference_text(ckpts["a"])
     chunks = daemon.stream("/v1/completions", {"prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0,
                                                "ignore_eos": True, "stream_options": {"include_usage": True}})
-    assert len(chunks) >= MAX_TOKENS and {c["weight_version"] for c in chunks} == {v_a}
+    # outputs may be coalesced into fewer chunks when the client reads behind; every chunk carries the version
+    assert len(chunks) >= 2 and {c["weight_version"] for c in chunks} == {v_a}
     chat = daemon.stream("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
                                                   "max_tokens": 4, "ignore_eos": True})
-    assert len(chat) >= 5 and {c["weight_version"] for c in chat} == {v_a}  # the role chunk too
+    assert chat[0]["choices"][0]["delta"].get("role") == "assistant"  # the role chunk carries it too
+    assert len(chat) >= 2 and {c["weight_version"] for c in chat} == {v_a}
     status, text = daemon.http("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
                                                         "max_tokens": 3})
     assert status == 200 and json.loads(text)["weight_version"] == v_a
