@@ -6,6 +6,8 @@ a thread during the dummy forward (the high-water mark above the pre-forward bas
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import threading
 import time
 from contextlib import contextmanager
@@ -22,6 +24,36 @@ class MemoryProfile:
     peak_activation_bytes: int
     kv_cache_bytes: int
     profile_s: float
+
+
+# glibc mallopt parameters (malloc.h)
+_M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3
+_allocator_tuned = False
+
+
+def tune_cpu_allocator() -> bool:
+    """Keep the forward's large temporaries on the heap instead of fresh mmaps.
+
+    glibc serves every allocation above ``M_MMAP_THRESHOLD`` with its own mmap and unmaps
+    it on free, so each step's activations (MBs per op at prefill) page-fault in anew:
+    about 160k minor faults and a third of a 2048-token bench-moe prefill. Raising the
+    threshold to its maximum (32 MiB), trimming the heap only past 1 GiB free and padding
+    heap growth by 64 MiB makes freed activation memory get reused (8k faults; prefill
+    1.15 s -> 0.76 s on this CPU). The cost: up to 1 GiB of freed memory stays resident,
+    which the memory profile already counts as activation peak. Process-wide, idempotent;
+    False where there is no glibc ``mallopt``."""
+    global _allocator_tuned
+    if _allocator_tuned:
+        return True
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or None)
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    ok = all(mallopt(param, value) == 1 for param, value in (
+        (_M_MMAP_THRESHOLD, 32 * 2**20), (_M_TRIM_THRESHOLD, 2**30), (_M_TOP_PAD, 64 * 2**20)))
+    _allocator_tuned = ok
+    return ok
 
 
 def device_memory_bytes(device: torch.device) -> int:

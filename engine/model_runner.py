@@ -11,7 +11,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.errors import KVCacheTooSmallError, RequestExecutionError
-from engine.memory import MemoryProfile, device_memory_bytes, measure_peak
+from engine.memory import MemoryProfile, device_memory_bytes, measure_peak, tune_cpu_allocator
 from engine.models.loader import load_model
 from engine.request import Request
 from engine.sampling_metadata import SamplingMetadata
@@ -34,8 +34,10 @@ class ModelRunner:
         self.config = config
         self.device = torch.device(config.device)
         self.dtype = resolve_dtype(config, self.device)
-        if self.device.type == "cpu" and config.num_threads:
-            torch.set_num_threads(config.num_threads)
+        if self.device.type == "cpu":
+            tune_cpu_allocator()
+            if config.num_threads:
+                torch.set_num_threads(config.num_threads)
         t0 = time.monotonic()
         self.load_timings: dict[str, float] = {}  # build_s, read_s (engine/models/loader.py)
         self.model, self.hf_config, self.spec, self.weights_bytes = load_model(
