@@ -29,8 +29,8 @@ class PrefillSeq:
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] int64: where each new token's K/V goes
     num_decode: int = 0  # first num_decode rows are decodes
-    decode_slots: torch.Tensor | None = None  # [B, L] int64 gathered cache slots
-    decode_mask: torch.Tensor | None = None  # [B, 1, 1, L] bool (True = attend)
+    decode_blocks: torch.Tensor | None = None  # [B, NB] int64 block tables (0-padded)
+    decode_mask: torch.Tensor | None = None  # [B, 1, 1, NB * block_size] bool (True = attend)
     prefills: list[PrefillSeq] = field(default_factory=list)
 
 
@@ -50,12 +50,12 @@ def build_metadata(
         max_blocks = -(-max_ctx // block_size)
         table = torch.tensor([bt[:max_blocks] + [0] * (max_blocks - min(len(bt), max_blocks))
                               for bt in decode_block_tables], dtype=torch.long)  # [B, NB]
-        offs = torch.arange(block_size, dtype=torch.long)
-        slots = (table[:, :, None] * block_size + offs).reshape(num_decode, -1)[:, :max_ctx]  # [B, L]
         ctx = torch.tensor(decode_ctx_lens, dtype=torch.long)
-        md.decode_slots = slots.contiguous().to(device)
-        md.decode_mask = (torch.arange(max_ctx)[None, :] < ctx[:, None]).view(num_decode, 1, 1, max_ctx).to(device)
-        slot_parts.append(slots.gather(1, (ctx - 1)[:, None]).view(-1))
+        span = max_blocks * block_size
+        md.decode_blocks = table.to(device)
+        md.decode_mask = (torch.arange(span)[None, :] < ctx[:, None]).view(num_decode, 1, 1, span).to(device)
+        last = ctx - 1  # each decode token's own slot
+        slot_parts.append(table.gather(1, (last // block_size)[:, None]).view(-1) * block_size + last % block_size)
     q_start = num_decode
     for block_ids, start, q_len in prefills:
         ctx_len = start + q_len
@@ -86,11 +86,16 @@ def paged_attention(
     out = torch.empty_like(q)
     B = md.num_decode
     if B:
-        # index_select, not advanced indexing: several times faster on CPU.
-        B_, L = md.decode_slots.shape
-        flat = md.decode_slots.reshape(-1)
-        kd = k_cache.index_select(0, flat).view(B_, L, *k_cache.shape[1:]).transpose(1, 2)  # [B, Hkv, L, D]
-        vd = v_cache.index_select(0, flat).view(B_, L, *v_cache.shape[1:]).transpose(1, 2)
+        # Gather whole blocks (one contiguous row of block_size * Hkv * D each), with
+        # index_select rather than advanced indexing: several times faster on CPU than
+        # gathering slot by slot. Slots past a sequence's length are masked out.
+        NB = md.decode_blocks.shape[1]
+        block_size = md.decode_mask.shape[-1] // NB
+        blocks = md.decode_blocks.reshape(-1)
+        kv_shape = (B, NB * block_size, *k_cache.shape[1:])
+        kd = k_cache.view(-1, block_size * k_cache[0].numel()).index_select(0, blocks).view(kv_shape).transpose(1, 2)
+        vd = v_cache.view(-1, block_size * v_cache[0].numel()).index_select(0, blocks).view(kv_shape).transpose(1, 2)
+        # kd, vd: [B, Hkv, NB * block_size, D]
         qd = q[:B].unsqueeze(2)  # [B, Hq, 1, D]
         od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=md.decode_mask, scale=scale,
                                             enable_gqa=True)  # [B, Hq, 1, D]

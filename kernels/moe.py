@@ -60,16 +60,16 @@ def grouped_expert_mlp(
             xp = x.new_zeros(num_local * n_max, H)
             xp.index_copy_(0, slot, x.index_select(0, token_of))
             gate_up = torch.bmm(xp.view(num_local, n_max, H), w13.transpose(1, 2))  # [E, n, 2I]
-            h = F.silu(gate_up[..., :inter]) * gate_up[..., inter:]
+            h = F.silu(gate_up[..., :inter]).mul_(gate_up[..., inter:])  # one temporary, not two
             y = torch.bmm(h, w2.transpose(1, 2)).view(-1, H)  # [E * n, H]
-            pair_out[:num_pairs] = y.index_select(0, slot) * weight_of[:, None]
+            torch.mul(y.index_select(0, slot), weight_of[:, None], out=pair_out[:num_pairs])
         else:
             start = 0
             for e, n in enumerate(local_counts):
                 if n:
                     xe = x.index_select(0, token_of[start:start + n])  # [n, H]
                     gate_up = F.linear(xe, w13[e])  # [n, 2I]
-                    h = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+                    h = F.silu(gate_up[:, :inter]).mul_(gate_up[:, inter:])
                     pair_out[start:start + n] = F.linear(h, w2[e]) * weight_of[start:start + n, None]
                     start += n
     # Un-sort and sum each token's K expert outputs (no scatter-add).

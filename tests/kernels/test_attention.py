@@ -36,6 +36,7 @@ def test_metadata_slots_follow_the_block_tables():
     md = build_metadata([[5, 2], [7]], [6, 3], [([9, 4, 1], 5, 4)], 4, torch.device("cpu"))
     # decode rows: the last token's slot; prefill: slots of tokens 5..8
     assert md.slot_mapping.tolist() == [2 * 4 + 1, 7 * 4 + 2, 4 * 4 + 1, 4 * 4 + 2, 4 * 4 + 3, 1 * 4 + 0]
-    assert md.decode_slots[0, :6].tolist() == [20, 21, 22, 23, 8, 9]
+    assert md.decode_blocks.tolist() == [[5, 2], [7, 0]]
     assert md.decode_mask.view(2, -1).sum(1).tolist() == [6, 3]
+    assert md.decode_mask.view(2, -1)[0].tolist() == [True] * 6 + [False] * 2
     assert md.prefills[0].mask.shape == (4, 9) and md.prefills[0].slots.tolist()[:5] == [36, 37, 38, 39, 16]
