@@ -17,6 +17,7 @@ from typing import Any
 from elastic.errors import ElasticError, ScaleConflictError, StaleLeaderError
 from elastic.etcd_client import etcd_call
 from elastic.keys import Desired, KeyLayout, OpPhase, OpRecord, decode, encode
+from elastic.records import read_record
 
 _MAX_ATTEMPTS = 8
 
@@ -34,11 +35,7 @@ class DesiredStore:
 
     def read_desired(self) -> tuple[Desired | None, int]:
         """``(desired, mod_revision)``; ``(None, 0)`` when never set."""
-        with etcd_call("read desired"):
-            value, meta = self._client.get(self.layout.desired)
-        if value is None:
-            return None, 0
-        return decode(self.layout.desired, value, Desired), meta.mod_revision
+        return read_record(self._client, self.layout.desired, Desired, "desired")
 
     def request_scale(self, target: int, op_id: str, kind: str = "scale") -> Desired:
         if target < 0:

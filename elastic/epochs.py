@@ -9,7 +9,7 @@
 
 so a leader whose lease ran out while it was deciding (someone else has won since, or
 nobody leads) cannot overwrite the epoch, and two writers racing from the same read
-cannot both succeed.
+cannot both succeed (elastic/records.py ``fenced_put``, shared with the placement).
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from elastic.errors import EpochConflictError, StaleLeaderError
-from elastic.etcd_client import etcd_call
-from elastic.keys import Epoch, KeyLayout, decode, encode
+from elastic.errors import EpochConflictError
+from elastic.keys import Epoch, KeyLayout, encode
+from elastic.records import fenced_put, read_record
 
 
 class EpochStore:
@@ -29,11 +29,7 @@ class EpochStore:
 
     def read_epoch(self) -> tuple[Epoch | None, int]:
         """``(epoch, mod_revision)``; ``(None, 0)`` before the first epoch."""
-        with etcd_call("read epoch"):
-            value, meta = self._client.get(self.layout.epoch)
-        if value is None:
-            return None, 0
-        return decode(self.layout.epoch, value, Epoch), meta.mod_revision
+        return read_record(self._client, self.layout.epoch, Epoch, "epoch")
 
     def write_epoch(self, new_epoch: Epoch, expected_mod_revision: int,
                     leader_create_revision: int, extra_puts: Sequence[tuple[str, bytes]] = ()) -> int:
@@ -44,23 +40,7 @@ class EpochStore:
         term, :class:`EpochConflictError` if the epoch changed since it was read (the
         leader check wins when both fail), :class:`EtcdUnavailableError` if etcd is down.
         """
-        epoch_key, leader_key = self.layout.epoch, self.layout.leader
-        tx = self._client.transactions
-        with etcd_call("write epoch"):
-            ok, responses = self._client.transaction(
-                compare=[tx.mod(epoch_key) == expected_mod_revision,
-                         tx.create(leader_key) == leader_create_revision],
-                success=[tx.put(epoch_key, encode(new_epoch)), tx.get(epoch_key),
-                         *(tx.put(k, v) for k, v in extra_puts)],
-                failure=[tx.get(epoch_key), tx.get(leader_key)])
-        if ok:
-            return responses[1][0][1].mod_revision
-        epoch_kvs, leader_kvs = responses
-        leader_node, leader_rev = None, 0
-        if leader_kvs:
-            leader_node = leader_kvs[0][0].decode()
-            leader_rev = leader_kvs[0][1].create_revision
-        if leader_rev != leader_create_revision:
-            raise StaleLeaderError(leader_create_revision, leader_node, leader_rev)
-        actual = epoch_kvs[0][1].mod_revision if epoch_kvs else 0
-        raise EpochConflictError(expected_mod_revision, actual)
+        return fenced_put(self._client, self.layout.epoch, encode(new_epoch),
+                          expected_mod_revision=expected_mod_revision, leader_key=self.layout.leader,
+                          leader_create_revision=leader_create_revision, conflict=EpochConflictError,
+                          what="epoch", extra_puts=extra_puts)

@@ -13,7 +13,9 @@ subclass per thing a caller may want to handle differently. Causes are kept with
      +-- LeadershipError
      |    +-- NotLeaderError         an operation needs leadership this node does not hold
      |    +-- StaleLeaderError       the fencing token no longer matches the leader key
-     +-- EpochConflictError          the epoch changed since it was read (CAS lost)
+     +-- RevisionConflictError       a leader-written key changed since it was read (CAS lost)
+     |    +-- EpochConflictError     ... the epoch
+     |    +-- PlacementConflictError ... the placement
      +-- ScaleConflictError          a scale operation is already in progress
 """
 
@@ -89,26 +91,29 @@ class StaleLeaderError(LeadershipError):
             f"{current_leader!r} at create revision {current_revision}")
 
 
-class EpochConflictError(ElasticError):
-    """Compare-and-swap on the epoch key lost: someone wrote it since it was read."""
+class RevisionConflictError(ElasticError):
+    """Compare-and-swap on a leader-written key lost: someone wrote it since it was read."""
+
+    what = "record"
 
     def __init__(self, expected_mod_revision: int, actual_mod_revision: int) -> None:
         self.expected_mod_revision = expected_mod_revision
         self.actual_mod_revision = actual_mod_revision
         super().__init__(
-            f"epoch changed: expected mod revision {expected_mod_revision}, "
+            f"{self.what} changed: expected mod revision {expected_mod_revision}, "
             f"found {actual_mod_revision}")
 
 
-class PlacementConflictError(ElasticError):
-    """Compare-and-swap on the placement key lost: someone wrote it since it was read."""
+class EpochConflictError(RevisionConflictError):
+    """The epoch changed since it was read."""
 
-    def __init__(self, expected_mod_revision: int, actual_mod_revision: int) -> None:
-        self.expected_mod_revision = expected_mod_revision
-        self.actual_mod_revision = actual_mod_revision
-        super().__init__(
-            f"placement changed: expected mod revision {expected_mod_revision}, "
-            f"found {actual_mod_revision}")
+    what = "epoch"
+
+
+class PlacementConflictError(RevisionConflictError):
+    """The placement changed since it was read."""
+
+    what = "placement"
 
 
 class ScaleConflictError(ElasticError):

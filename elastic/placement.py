@@ -32,9 +32,9 @@ from typing import Any
 
 import msgspec
 
-from elastic.errors import PlacementConflictError, StaleLeaderError
-from elastic.etcd_client import etcd_call
-from elastic.keys import EngineRecord, EngineState, KeyLayout, NodeInfo, decode, encode
+from elastic.errors import PlacementConflictError
+from elastic.keys import EngineRecord, EngineState, KeyLayout, NodeInfo, encode
+from elastic.records import fenced_put, read_record
 
 
 class Placement(msgspec.Struct, kw_only=True):
@@ -112,28 +112,12 @@ class PlacementStore:
 
     def read(self) -> tuple[Placement | None, int]:
         """``(placement, mod_revision)``; ``(None, 0)`` before the first one."""
-        with etcd_call("read placement"):
-            value, meta = self._client.get(self.layout.placement)
-        if value is None:
-            return None, 0
-        return decode(self.layout.placement, value, Placement), meta.mod_revision
+        return read_record(self._client, self.layout.placement, Placement, "placement")
 
     def write(self, placement: Placement, expected_mod_revision: int, leader_create_revision: int) -> None:
         """Write ``placement`` if the key is still at ``expected_mod_revision`` and the leader
         key still of ``leader_create_revision``: StaleLeaderError / PlacementConflictError if not."""
-        key, leader_key = self.layout.placement, self.layout.leader
-        tx = self._client.transactions
-        with etcd_call("write placement"):
-            ok, responses = self._client.transaction(
-                compare=[tx.mod(key) == expected_mod_revision,
-                         tx.create(leader_key) == leader_create_revision],
-                success=[tx.put(key, encode(placement))],
-                failure=[tx.get(key), tx.get(leader_key)])
-        if ok:
-            return
-        kvs, leader_kvs = responses
-        leader_rev = leader_kvs[0][1].create_revision if leader_kvs else 0
-        if leader_rev != leader_create_revision:
-            raise StaleLeaderError(leader_create_revision, leader_kvs[0][0].decode() if leader_kvs else None,
-                                   leader_rev)
-        raise PlacementConflictError(expected_mod_revision, kvs[0][1].mod_revision if kvs else 0)
+        fenced_put(self._client, self.layout.placement, encode(placement),
+                   expected_mod_revision=expected_mod_revision, leader_key=self.layout.leader,
+                   leader_create_revision=leader_create_revision, conflict=PlacementConflictError,
+                   what="placement")
