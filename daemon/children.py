@@ -134,15 +134,20 @@ class PopenChild:
         return True
 
 
+def open_child_log(spec: ChildSpec, how: str = ""):
+    """``spec``'s log file, opened for appending after a line saying what starts (and
+    ``how``, e.g. in which process): the one header every child's log gets."""
+    Path(spec.log_path).parent.mkdir(parents=True, exist_ok=True)
+    log = open(spec.log_path, "ab")  # noqa: SIM115 - the caller closes it
+    log.write(f"--- {time.strftime('%Y-%m-%dT%H:%M:%S%z')} planaria starts{how}: "
+              f"{' '.join(spec.argv)}\n".encode())
+    log.flush()
+    return log
+
+
 class PopenSpawner:
     def spawn(self, spec: ChildSpec) -> PopenChild:
-        log = None
-        if spec.log_path:
-            Path(spec.log_path).parent.mkdir(parents=True, exist_ok=True)
-            log = open(spec.log_path, "ab")  # noqa: SIM115 - the child keeps its own copy
-            log.write(f"--- {time.strftime('%Y-%m-%dT%H:%M:%S%z')} planaria starts: "
-                      f"{' '.join(spec.argv)}\n".encode())
-            log.flush()
+        log = open_child_log(spec) if spec.log_path else None  # the child keeps its own copy
         try:
             popen = subprocess.Popen(
                 spec.argv, env=spec.env or None, cwd=spec.cwd,

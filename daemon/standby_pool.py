@@ -19,12 +19,11 @@ from __future__ import annotations
 
 import itertools
 import json
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from daemon.children import Child, ChildSpec
+from daemon.children import Child, ChildSpec, open_child_log
 
 YOUNG_S = 60.0  # a standby that exits sooner than this counts toward the refill backoff
 
@@ -97,10 +96,7 @@ class StandbyPool:
             line = json.dumps({"argv": spec.argv[3:], "log_path": spec.log_path, "env": env}) + "\n"
             try:
                 if spec.log_path:
-                    Path(spec.log_path).parent.mkdir(parents=True, exist_ok=True)
-                    with open(spec.log_path, "ab") as f:
-                        f.write(f"--- {time.strftime('%Y-%m-%dT%H:%M:%S%z')} planaria starts (warm standby "
-                                f"pid {standby.child.pid}): {' '.join(spec.argv)}\n".encode())
+                    open_child_log(spec, f" (warm standby pid {standby.child.pid})").close()
                 self.write(standby.child, line.encode())
             except OSError as exc:  # it died meanwhile: its exit is reaped as usual
                 self.log.warning("standby not usable", pid=standby.child.pid, error=str(exc))
