@@ -115,9 +115,6 @@ def main() -> None:
     llm = LLM(model, max_num_seqs=max(concs), max_num_batched_tokens=max(2048, PROMPT_LEN * 16),
               kv_cache_bytes=2 * 2**30)
     hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
-    populate = getattr(llm.core.runner, "kv_populate_thread", None)
-    if populate is not None:  # a serving engine's KV pages are faulted in shortly after start
-        populate.join()
     bw = copy_bandwidth_bytes_s()
     print(f"model={model} threads={torch.get_num_threads()} copy_bandwidth={bw / 1e9:.1f} GB/s")
     run_planaria(llm, prompts_for(2))  # warm-up both

@@ -11,7 +11,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.errors import KVCacheTooSmallError, RequestExecutionError
-from engine.memory import MemoryProfile, device_memory_bytes, measure_peak, populate_in_background, tune_cpu_allocator
+from engine.memory import MemoryProfile, device_memory_bytes, measure_peak, tune_cpu_allocator
 from engine.models.loader import load_model
 from engine.request import Request
 from engine.sampling_metadata import SamplingMetadata
@@ -101,9 +101,7 @@ class ModelRunner:
         block's tail is gathered too), and a masked NaN still spreads (0 * NaN = NaN).
         On the CPU (``lazy``) the caches are one private anonymous mapping: the kernel hands
         out zero pages on first touch, so start-up writes no zeros and touches no pages (a
-        memset of a few hundred MB costs a reused-KV start 0.1-0.5 s on this host); a
-        background thread then prefaults them (engine/memory.py populate_in_background),
-        since faults taken while serving cost decode steps milliseconds."""
+        memset of a few hundred MB costs a reused-KV start 0.1-0.5 s on this host)."""
         s = self.spec
         shape = (num_blocks * self.block_size, s.num_kv_heads, s.head_dim)
         if lazy and self.device.type == "cpu":
@@ -114,8 +112,6 @@ class ModelRunner:
         else:
             kv = torch.zeros((s.num_layers, 2, *shape), dtype=self.dtype, device=self.device)
         self.kv_caches = [(kv[i, 0], kv[i, 1]) for i in range(s.num_layers)]
-        if lazy and self.device.type == "cpu":
-            self.kv_populate_thread = populate_in_background([c for pair in self.kv_caches for c in pair])
 
     # -- execution --------------------------------------------------------------------------
     def execute(self, sched: SchedulerOutput):
