@@ -34,6 +34,14 @@ import os, signal, sys, threading, time
 from pathlib import Path
 from elastic.cluster import EPNode
 endpoint, cluster, node_id, model, rendezvous, pause_file, start_at = sys.argv[1:8]
+
+
+def say(*parts):
+    # one write, on a line of its own: the node's log lines (other threads, same stdout) are
+    # printed in two writes, and a marker could otherwise land behind half of one
+    sys.stdout.write("\\n" + " ".join(map(str, parts)) + "\\n")
+    sys.stdout.flush()
+
 node = EPNode(node_id, cluster, [endpoint], model_dir=model, launcher=None, initial_engines=2,
               rendezvous=rendezvous, lease_ttl_s=%d, tick_s=0.1, switch_timeout_s=600)
 real_write = node.controller.epochs.write_epoch
@@ -41,31 +49,31 @@ real_write = node.controller.epochs.write_epoch
 def write_epoch(epoch, rev, token, *rest):
     if epoch.number >= 2 and Path(pause_file).exists():   # pause between deciding and writing
         Path(pause_file).unlink()
-        print("PAUSED_BEFORE_WRITE", epoch.number, token, flush=True)
+        say("PAUSED_BEFORE_WRITE", epoch.number, token)
         # Thread-directed, then a syscall: this thread stops here, before the write is sent
         # (a process-directed SIGSTOP may let it run on into the RPC for a moment).
         signal.pthread_kill(threading.get_ident(), signal.SIGSTOP)
         time.sleep(0.2)
-        print("RESUMED", flush=True)
+        say("RESUMED")
     try:
         out = real_write(epoch, rev, token, *rest)
     except Exception as exc:
-        print("EPOCH_REFUSED", epoch.number, type(exc).__name__, exc, flush=True)
+        say("EPOCH_REFUSED", epoch.number, type(exc).__name__, exc)
         raise
-    print("EPOCH_WRITTEN", epoch.number, token, flush=True)
+    say("EPOCH_WRITTEN", epoch.number, token)
     return out
 
 node.controller.epochs.write_epoch = write_epoch
 time.sleep(max(0.0, float(start_at) - time.time()))
 node.start()
-print("STARTED", flush=True)
+say("STARTED")
 
 def actions():
     last = None
     while True:
         if node.controller.last_action != last:
             last = node.controller.last_action
-            print("ACTION", last, flush=True)
+            say("ACTION", last)
         time.sleep(0.05)
 
 import threading
