@@ -128,7 +128,7 @@ def mismatches(records: list[LoadRecord], reference: list[str]) -> list[tuple[in
 def offline_reference(model: str, bodies: list[dict], kv_cache_bytes: int = 32 * 2**20,
                       max_model_len: int = 1024) -> list[str]:
     """Each body's text from the offline single engine (no EP, no faults), in one batch."""
-    from engine import LLM, SamplingParams
+    from planaria.engine import LLM, SamplingParams
 
     llm = LLM(model, kv_cache_bytes=kv_cache_bytes, max_model_len=max_model_len)
     params = [SamplingParams(temperature=b["temperature"], top_p=b.get("top_p", 1.0), seed=b.get("seed"),

@@ -6,15 +6,15 @@ or more source trees side by side (this checkout, and e.g. a worktree of an olde
 Two measurements per tree, KV mode and trial, interleaved so that load on the host hits
 every column alike:
 
-- phases: a fresh interpreter in the tree runs what ``python -m engine.proc`` runs from
+- phases: a fresh interpreter in the tree runs what ``python -m planaria.engine.proc`` runs from
   start to READY, in process, with a clock between the steps: interpreter start (spawn ->
-  first line), ``import engine.proc``, ``import engine.core`` (torch), ``create_engine_core``
+  first line), ``import planaria.engine.proc``, ``import planaria.engine.core`` (torch), ``create_engine_core``
   (split by the core's own ``init_timings``: config, weights = model build + read,
   profiling, KV allocation; "other" is the rest of the constructor), and the collection
   and freeze the engine does before READY; then the first request after it (a 128-token
   prompt, 8 tokens out) and the same again, to show what a start moved onto the first
   request (no profiling forward to warm up, memory faulted in on first touch).
-- proc: ``python -m engine.proc`` itself on real sockets: spawn -> HELLO (interpreter and
+- proc: ``python -m planaria.engine.proc`` itself on real sockets: spawn -> HELLO (interpreter and
   the process module's imports) -> READY (torch, the model, KV), as a frontend sees it.
 
 "reused" is an engine given the KV figure the profiled engine arrived at (a scale-up
@@ -46,23 +46,23 @@ t_first = time.time()
 spawned_at, model, extra = float(sys.argv[1]), sys.argv[2], json.loads(sys.argv[3])
 marks = {"interpreter_s": t_first - spawned_at}
 t = time.monotonic()
-import engine.proc
+import planaria.engine.proc
 marks["import_proc_s"] = time.monotonic() - t; t = time.monotonic()
-from engine.core import create_engine_core
-from engine.config import EngineConfig
+from planaria.engine.core import create_engine_core
+from planaria.engine.config import EngineConfig
 marks["import_core_s"] = time.monotonic() - t; t = time.monotonic()
 core = create_engine_core(EngineConfig(model=model, **extra))
 marks["create_s"] = time.monotonic() - t; t = time.monotonic()
 import gc
-from engine import envs
+from planaria.engine import envs
 if envs.get().gc_freeze:
     gc.collect(); gc.freeze()
 marks["gc_s"] = time.monotonic() - t
 marks["total_s"] = time.time() - spawned_at
 # After READY: the first request (what a skipped profile forward or lazily faulted memory
 # would move onto), then the same again once warm.
-from engine.messages import EngineCoreRequest
-from engine.sampling_params import SamplingParams
+from planaria.engine.messages import EngineCoreRequest
+from planaria.engine.sampling_params import SamplingParams
 for key, rid in (("first_request_s", "a"), ("second_request_s", "b")):
     t = time.monotonic()
     core.add_request(EngineCoreRequest(request_id=rid, prompt_token_ids=[(7 * i + len(rid)) % 4000 + 3 for i in range(128)],
@@ -74,7 +74,7 @@ marks["init"] = {k: v for k, v in core.init_timings.items()}
 marks["kv_cache_bytes"] = core.kv_cache_bytes
 marks["dynamo_imported"] = "torch._dynamo" in sys.modules
 marks["num_modules"] = len(sys.modules)
-marks["engine_file"] = engine.proc.__file__
+marks["engine_file"] = planaria.engine.proc.__file__
 print("STARTUP " + json.dumps(marks), flush=True)
 """
 
@@ -95,7 +95,7 @@ def run_proc(tree: Path, model: str, extra: dict, tmp: Path) -> dict:
     import msgspec
     import zmq
 
-    from engine.wire import FRONTEND_INPUT_TYPES, HandshakeInit, MsgType, WireDecoder, WireEncoder
+    from planaria.engine.wire import FRONTEND_INPUT_TYPES, HandshakeInit, MsgType, WireDecoder, WireEncoder
 
     ctx = zmq.Context()
     router, pull = ctx.socket(zmq.ROUTER), ctx.socket(zmq.PULL)
@@ -104,7 +104,7 @@ def run_proc(tree: Path, model: str, extra: dict, tmp: Path) -> dict:
         sock.setsockopt(zmq.LINGER, 0)
         sock.bind(addr)
     enc, dec = WireEncoder(reuse_buffer=False), WireDecoder(FRONTEND_INPUT_TYPES)
-    cmd = [sys.executable, "-m", "engine.proc", "--engine-index", "0", "--input-addr", in_addr,
+    cmd = [sys.executable, "-m", "planaria.engine.proc", "--engine-index", "0", "--input-addr", in_addr,
            "--config-json", msgspec.json.encode({"model": model, **extra}).decode()]
     env = dict(os.environ, PYTHONPATH=str(tree), HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="error")
     t0 = time.monotonic()
@@ -139,8 +139,8 @@ def run_proc(tree: Path, model: str, extra: dict, tmp: Path) -> dict:
 
 ROWS = [
     ("interpreter start", lambda m: m["interpreter_s"]),
-    ("import engine.proc", lambda m: m["import_proc_s"]),
-    ("import engine.core (torch)", lambda m: m["import_core_s"]),
+    ("import planaria.engine.proc", lambda m: m["import_proc_s"]),
+    ("import planaria.engine.core (torch)", lambda m: m["import_core_s"]),
     ("config.json (transformers)", lambda m: m["init"].get("config_s")),
     ("weights (build + read)", lambda m: m["init"]["weights_s"]),
     ("  model build", lambda m: m["init"].get("build_s")),
@@ -187,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", help="also write the raw measurements here")
     args = p.parse_args(argv)
     if not (Path(args.model) / "config.json").is_file():
-        from engine.demo_model import build_demo_model
+        from planaria.engine.demo_model import build_demo_model
 
         build_demo_model(Path(args.model), preset="bench-moe")
     trees = [(t.split("=", 1)[0], Path(t.split("=", 1)[1]).resolve()) for t in args.tree] or [("this", REPO)]

@@ -29,7 +29,7 @@ PROMPT_LEN, OUT_LEN = 128, 64
 
 def ensure_model(path: Path) -> str:
     if not (path / "config.json").is_file():
-        from engine.demo_model import build_demo_model
+        from planaria.engine.demo_model import build_demo_model
 
         build_demo_model(path, preset="bench-moe")
     return str(path)
@@ -52,8 +52,8 @@ def copy_bandwidth_bytes_s() -> float:
 
 
 def run_planaria(llm, prompts):
-    from engine import SamplingParams
-    from engine.messages import EngineCoreRequest
+    from planaria.engine import SamplingParams
+    from planaria.engine.messages import EngineCoreRequest
 
     core = llm.core
     sp = SamplingParams(temperature=0.0, max_tokens=OUT_LEN, ignore_eos=True)
@@ -110,7 +110,7 @@ def main() -> None:
 
     from transformers import AutoModelForCausalLM
 
-    from engine import LLM
+    from planaria.engine import LLM
 
     llm = LLM(model, max_num_seqs=max(concs), max_num_batched_tokens=max(2048, PROMPT_LEN * 16),
               kv_cache_bytes=2 * 2**30)

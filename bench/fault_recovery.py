@@ -3,7 +3,7 @@
     .venv/bin/python -m bench.fault_recovery [--trials 20] [--engines 2] [--streams 8]
                                              [--max-tokens 64] [--kind kill|hang|fatal]
 
-Stack (bench/serve_stack.py): the shipped daemon, ``python -m daemon.cli serve`` on the
+Stack (bench/serve_stack.py): the shipped daemon, ``python -m planaria.daemon.cli serve`` on the
 tiny-moe demo model with N engine cores and the HTTP frontend on a free loopback port.
 Its supervisor notices the death (the engine's exit-sentinel thread pidfds turn
 readable as its threads die; its process pidfd once the kernel has freed it), pushes

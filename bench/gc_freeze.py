@@ -39,11 +39,11 @@ from pathlib import Path
 
 
 def _child(model: str, freeze: bool, num_requests: int, max_tokens: int, warmup_steps: int) -> dict:
-    from engine.config import EngineConfig
-    from engine.core import EngineCore
-    from engine.llm import load_tokenizer
-    from engine.messages import EngineCoreRequest
-    from engine.sampling_params import SamplingParams
+    from planaria.engine.config import EngineConfig
+    from planaria.engine.core import EngineCore
+    from planaria.engine.llm import load_tokenizer
+    from planaria.engine.messages import EngineCoreRequest
+    from planaria.engine.sampling_params import SamplingParams
 
     core = EngineCore(EngineConfig(model=model, num_kv_blocks=2048, max_model_len=512, max_num_seqs=64,
                                    num_threads=1))
@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="gc-bench-") as tmp:
         model = args.model
         if model is None:
-            from engine.demo_model import build_demo_model
+            from planaria.engine.demo_model import build_demo_model
 
             model = str(build_demo_model(Path(tmp) / args.preset, args.preset))
         for r in range(args.repeats):

@@ -8,7 +8,7 @@ built at ``.state/models/bench-moe`` when missing.
 
 Servers, one after the other (never both up at once), each stopped by process group:
 
-- Planaria: ``python -m frontend.main --model DIR --http 127.0.0.1:P --runtime-dir D
+- Planaria: ``python -m planaria.frontend.main --model DIR --http 127.0.0.1:P --runtime-dir D
   --engines 1 --spawn-engines --engine-config-json '{"max_num_seqs": 64}'``, up at /ready.
 - transformers: ``transformers serve DIR --host 127.0.0.1 --port P --device cpu
   --continuous-batching`` from ``.venv-bench`` (HF_HUB_OFFLINE=1), up at /health.
@@ -189,7 +189,7 @@ class Planaria(Server):
         self.runtime = Path(tempfile.mkdtemp(prefix="pl-bh-", dir="/tmp"))  # ipc paths stay short
 
     def command(self):
-        cmd = [sys.executable, "-m", "frontend.main", "--model", str(self.model),
+        cmd = [sys.executable, "-m", "planaria.frontend.main", "--model", str(self.model),
                "--http", f"127.0.0.1:{self.port}", "--runtime-dir", str(self.runtime),
                "--engines", "1", "--spawn-engines", "--log-level", "WARNING",
                "--engine-config-json", json.dumps(self.engine_config)]
@@ -368,7 +368,7 @@ def main(argv: list[str] | None = None) -> int:
     t_start = time.perf_counter()
     model = args.model.resolve()
     if not (model / "config.json").exists():
-        from engine.demo_model import build_demo_model
+        from planaria.engine.demo_model import build_demo_model
         print(f"building the bench-moe demo model at {model} ...", flush=True)
         build_demo_model(model, preset="bench-moe", progress=lambda m: print("  " + m, flush=True))
     if args.only != "planaria":

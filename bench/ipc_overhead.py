@@ -9,9 +9,9 @@ same engine configuration, in one run, one after the other:
 - ``in-process``: this process owns an ``EngineCore`` and keeps ``C`` requests in flight
   (add until C are queued, ``step()``, count finished ones). No sockets, no serialization.
 - ``zmq``: this process is a frontend (``engine.client.EngineClient``: ROUTER + PULL over
-  ipc) and ``python -m engine.proc`` is the engine core process: msgspec encode/decode,
+  ipc) and ``python -m planaria.engine.proc`` is the engine core process: msgspec encode/decode,
   the engine's IO threads, the busy loop's polling, the output thread.
-- ``http``: ``python -m frontend.main --spawn-engines`` (the OpenAI server plus one engine
+- ``http``: ``python -m planaria.frontend.main --spawn-engines`` (the OpenAI server plus one engine
   process); this process posts ``/v1/completions`` over loopback (aiohttp, keep-alive):
   adds HTTP parsing, tokenization, detokenization and JSON on top of ``zmq``.
 
@@ -48,8 +48,8 @@ def prompts_for(n: int, num_tokens: int, vocab: int, seed: int = 0) -> list[list
 
 
 def _request(rid: str, prompt: list[int]):
-    from engine import SamplingParams
-    from engine.messages import EngineCoreRequest
+    from planaria.engine import SamplingParams
+    from planaria.engine.messages import EngineCoreRequest
 
     return EngineCoreRequest(request_id=rid, prompt_token_ids=prompt,
                              sampling_params=SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
@@ -63,8 +63,8 @@ def _row(path: str, conc: int, n: int, wall_s: float, latencies: list[float]) ->
 # -- in-process --------------------------------------------------------------------------------
 
 def run_in_process(config: dict, prompts: list[list[int]], conc: int) -> dict:
-    from engine.config import EngineConfig
-    from engine.core import create_engine_core
+    from planaria.engine.config import EngineConfig
+    from planaria.engine.core import create_engine_core
 
     core = create_engine_core(EngineConfig(**config))
     try:
@@ -115,12 +115,12 @@ def _env() -> dict:
 async def _zmq(config: dict, levels: list[tuple[int, list[list[int]]]], log_dir: Path) -> list[dict]:
     import msgspec
 
-    from engine.client import EngineClient
+    from planaria.engine.client import EngineClient
 
     runtime = Path(tempfile.mkdtemp(prefix="pl-ipc-", dir="/tmp"))
     client = EngineClient(1, runtime)
     await client.start(wait_ready=False)
-    cmd = [sys.executable, "-m", "engine.proc", "--engine-index", "0", "--input-addr", client.input_address,
+    cmd = [sys.executable, "-m", "planaria.engine.proc", "--engine-index", "0", "--input-addr", client.input_address,
            "--config-json", msgspec.json.encode(config).decode()]
     proc = subprocess.Popen(cmd, cwd=REPO, env=_env(), start_new_session=True,
                             stdout=open(log_dir / "ipc_bench_engine.log", "wb"), stderr=subprocess.STDOUT)
@@ -169,7 +169,7 @@ async def _http(model: Path, config: dict, levels: list[tuple[int, list[list[int
     runtime = Path(tempfile.mkdtemp(prefix="pl-ipc-", dir="/tmp"))
     port = _free_port()
     engine_config = {k: v for k, v in config.items() if k != "model"}
-    cmd = [sys.executable, "-m", "frontend.main", "--model", str(model), "--http", f"127.0.0.1:{port}",
+    cmd = [sys.executable, "-m", "planaria.frontend.main", "--model", str(model), "--http", f"127.0.0.1:{port}",
            "--runtime-dir", str(runtime), "--engines", "1", "--spawn-engines", "--log-level", "WARNING",
            "--engine-config-json", json.dumps(engine_config)]
     proc = subprocess.Popen(cmd, cwd=REPO, env=_env(), start_new_session=True,
@@ -236,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
 
     model = args.model.resolve()
     if not (model / "config.json").exists():
-        from engine.demo_model import build_demo_model
+        from planaria.engine.demo_model import build_demo_model
         print(f"building the {args.preset} demo model at {model} ...", flush=True)
         build_demo_model(model, preset=args.preset)
     args.log_dir.mkdir(parents=True, exist_ok=True)

@@ -35,14 +35,14 @@ from pathlib import Path
 import aiohttp
 
 from bench.streaming_load import stream_completion
-from elastic.harness import EPDeployment
+from planaria.elastic.harness import EPDeployment
 
 MODES = [("reused", False), ("profiled", False), ("reused", True), ("profiled", True)]
 
 
 def ensure_model(path: Path, preset: str = "bench-moe") -> str:
     if not (path / "config.json").is_file():
-        from engine.demo_model import build_demo_model
+        from planaria.engine.demo_model import build_demo_model
 
         build_demo_model(path, preset=preset)
     return str(path)

@@ -6,9 +6,9 @@
     exited = stack.wait_exit(fault)     # the supervisor's own "exited" log event
     stack.close()
 
-Everything here is the shipped daemon: ``python -m daemon.cli serve`` (the supervisor:
+Everything here is the shipped daemon: ``python -m planaria.daemon.cli serve`` (the supervisor:
 pidfd sentinels, restart policy, ENGINE_CORE_DEAD reports to the frontend, hang kill
-from heartbeats) spawns ``python -m frontend.main`` and the engine cores. The harness
+from heartbeats) spawns ``python -m planaria.frontend.main`` and the engine cores. The harness
 only adds what a test needs to cause and observe faults:
 
 - ``PLANARIA_FAULT_INJECTION=1`` in the daemon's environment (children inherit it), and
@@ -83,7 +83,7 @@ class ServeStack:
     def __init__(self, root: str | os.PathLike, num_engines: int = 2, hang_timeout_s: float = 1.0,
                  engine_config: dict | None = None, model: str | None = None,
                  serve_args: tuple[str, ...] = ()) -> None:
-        from engine.demo_model import build_demo_model
+        from planaria.engine.demo_model import build_demo_model
 
         self.root = Path(root)
         self.num_engines = num_engines
@@ -108,10 +108,10 @@ class ServeStack:
 
     # -- lifecycle ------------------------------------------------------------------------
     def command(self) -> list[str]:
-        from engine.client import ipc_addresses
+        from planaria.engine.client import ipc_addresses
 
         heartbeat_s = self.hang_timeout_s / 4
-        return [sys.executable, "-m", "daemon.cli", "serve", "--model", str(self.model),
+        return [sys.executable, "-m", "planaria.daemon.cli", "serve", "--model", str(self.model),
                 "--engines", str(self.num_engines), "--max-engines", str(self.num_engines),
                 "--http", f"127.0.0.1:{self.port}", "--state-dir", str(self.state),
                 "--runtime-dir", str(self.runtime),
@@ -123,7 +123,7 @@ class ServeStack:
                 "--extra-client-addresses", ipc_addresses(self.runtime, 1)[0], *self.serve_args]
 
     def start(self, timeout_s: float = 120.0) -> None:
-        from engine.client import EngineClient
+        from planaria.engine.client import EngineClient
 
         self._loop = _Loop()
         self.injector = EngineClient(self.num_engines, self.runtime, client_index=1)
@@ -185,7 +185,7 @@ class ServeStack:
 
     # -- what the daemon says -------------------------------------------------------------
     def status(self, timeout_s: float = 10.0) -> dict:
-        from daemon.control import ControlClient
+        from planaria.daemon.control import ControlClient
 
         return ControlClient(self.runtime, timeout_s=timeout_s).call("status")
 
@@ -225,7 +225,7 @@ class ServeStack:
     def serving_pids(self) -> dict[int, int] | None:
         """engine id -> pid when the supervisor, the frontend and the injector all see every
         engine running as the same process; None otherwise."""
-        from daemon.errors import DaemonNotRunningError
+        from planaria.daemon.errors import DaemonNotRunningError
 
         if self.proc.poll() is not None:
             raise RuntimeError(f"planaria serve exited with {self.proc.returncode}\n{self.logs()}")

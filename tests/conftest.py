@@ -14,7 +14,7 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 @pytest.fixture(scope="session")
 def demo_models(tmp_path_factory):
     """Factory: demo_models("tiny-moe") -> path of a built checkpoint (cached per session)."""
-    from engine.demo_model import build_demo_model
+    from planaria.engine.demo_model import build_demo_model
 
     root = tmp_path_factory.mktemp("models")
     built: dict[str, str] = {}

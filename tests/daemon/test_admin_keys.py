@@ -8,10 +8,10 @@ import stat
 
 import pytest
 
-from daemon import admin_keys
-from daemon.admin_keys import AdminKeyError
-from daemon.commands import _common
-from daemon.control import ControlClient
+from planaria.daemon import admin_keys
+from planaria.daemon.admin_keys import AdminKeyError
+from planaria.daemon.commands import _common
+from planaria.daemon.control import ControlClient
 
 
 def test_make_keypair_writes_a_private_secret_and_refuses_to_overwrite(tmp_path):

@@ -10,13 +10,13 @@ import time
 
 import pytest
 
-from daemon.children import ChildSpec, PopenSpawner
+from planaria.daemon.children import ChildSpec, PopenSpawner
 
 # A process that holds 1 GiB of touched memory (the kernel frees it after the threads
 # are gone, before the process pidfd fires) and names its exit sentinels.
 _CHILD = """
 import sys, time
-from engine.heartbeat import start_exit_sentinels
+from planaria.engine.heartbeat import start_exit_sentinels
 block = bytearray(1 << 30)
 for i in range(0, len(block), 4096):
     block[i] = 1

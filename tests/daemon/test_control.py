@@ -11,9 +11,9 @@ import msgspec
 import pytest
 import zmq
 
-from daemon import errors
-from daemon.control import ControlClient, ControlServer, control_socket_path
-from daemon.envelope import AdminRequest, Err, ErrorCode, Ok, decode_reply, encode
+from planaria.daemon import errors
+from planaria.daemon.control import ControlClient, ControlServer, control_socket_path
+from planaria.daemon.envelope import AdminRequest, Err, ErrorCode, Ok, decode_reply, encode
 
 
 def handler(request: AdminRequest) -> Ok | Err:

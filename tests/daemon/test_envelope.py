@@ -5,8 +5,8 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from daemon import errors
-from daemon.envelope import (AdminRequest, Err, ErrorCode, Ok, decode_reply, decode_request,
+from planaria.daemon import errors
+from planaria.daemon.envelope import (AdminRequest, Err, ErrorCode, Ok, decode_reply, decode_request,
                              encode)
 
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 import signal
 from types import SimpleNamespace
 
-from daemon.ep_supervisor import EPSupervisor
-from daemon.slot import SlotState
-from elastic.placement import Placement
+from planaria.daemon.ep_supervisor import EPSupervisor
+from planaria.daemon.slot import SlotState
+from planaria.elastic.placement import Placement
 from tests.daemon.test_supervisor_logic import beat, die, engine_child, make
 
 
@@ -100,7 +100,7 @@ def test_the_ep_poll_keeps_the_loop_waking():
 def test_multi_host_flags_are_checked():
     import pytest
 
-    from daemon import config as config_mod
+    from planaria.daemon import config as config_mod
 
     def build(**flags):
         return config_mod.build({"model": "/m", "parallel": "ep", **flags}, environ={})
@@ -147,7 +147,7 @@ def test_a_standby_starts_once_an_engine_serves_and_a_scale_up_takes_it(tmp_path
     beat(sup, 0, kv=5 << 20)
     sup.tick()
     [sb] = standbys(spawner)
-    assert sb.spec.argv[1:3] == ["-m", "elastic.standby"] and sb.spec.stdin_pipe
+    assert sb.spec.argv[1:3] == ["-m", "planaria.elastic.standby"] and sb.spec.stdin_pipe
     assert sup.status()["standby"]["processes"] == [{"pid": sb.pid, "state": "warming", "uptime_s": 0.0}]
     (tmp_path / "standby-1.ready").touch()  # what elastic.standby does once warm
     assert sup.status()["standby"]["processes"][0]["state"] == "ready"

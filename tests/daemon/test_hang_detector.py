@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from daemon.hang_detector import HangDetector, Heartbeat
+from planaria.daemon.hang_detector import HangDetector, Heartbeat
 
 TIMEOUT_S = 10.0
 

@@ -9,7 +9,7 @@ import logging
 import pytest
 import structlog
 
-from daemon import logging as plog
+from planaria.daemon import logging as plog
 
 
 @pytest.fixture
@@ -116,8 +116,8 @@ def test_process_fields_are_on_every_line_from_any_thread(restore_root_logging):
     try:
         plog.bind_process(engine_id=4, pid=999)
         plog.configure(json=True, stream=stream, environ={})
-        logging.getLogger("engine.proc").info("engine %d ready", 4)
-        t = threading.Thread(target=lambda: logging.getLogger("engine.proc_io").warning("io"))
+        logging.getLogger("planaria.engine.proc").info("engine %d ready", 4)
+        t = threading.Thread(target=lambda: logging.getLogger("planaria.engine.proc_io").warning("io"))
         t.start()
         t.join()
         plog.get_logger("planaria.x").info("bound here", pid=1)  # the call's own field wins

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from daemon.flapping import FlapDetector
-from daemon.restart_policy import GiveUp, HoldOff, RestartAt, RestartNow, RestartPolicy
+from planaria.daemon.flapping import FlapDetector
+from planaria.daemon.restart_policy import GiveUp, HoldOff, RestartAt, RestartNow, RestartPolicy
 
 BASE = dict(backoff_initial_s=1.0, backoff_max_s=8.0, backoff_factor=2.0,
             flap_window_s=10.0, flap_max_exits=4, flap_hold_s=30.0, retry_limit=None)

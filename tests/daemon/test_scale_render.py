@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from daemon.commands import scale
+from planaria.daemon.commands import scale
 
 
 def engine(engine_id, state, **kw):

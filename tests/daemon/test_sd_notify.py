@@ -9,7 +9,7 @@ import uuid
 
 import pytest
 
-from daemon.sd_notify import Notifier, watchdog_interval_s
+from planaria.daemon.sd_notify import Notifier, watchdog_interval_s
 
 
 @pytest.fixture(params=["path", "abstract"])

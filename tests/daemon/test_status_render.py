@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from daemon.commands import status
+from planaria.daemon.commands import status
 
 
 def engine(engine_id, state="running", **kw):

@@ -6,11 +6,11 @@ import signal
 
 import pytest
 
-from daemon import config as config_mod
-from daemon.envelope import ErrorCode
-from daemon.errors import AdminError
-from daemon.supervisor import EXIT_FAILURE, SlotState, Supervisor
-from engine.heartbeat import Heartbeat
+from planaria.daemon import config as config_mod
+from planaria.daemon.envelope import ErrorCode
+from planaria.daemon.errors import AdminError
+from planaria.daemon.supervisor import EXIT_FAILURE, SlotState, Supervisor
+from planaria.engine.heartbeat import Heartbeat
 
 
 class FakeChild:
@@ -97,7 +97,7 @@ def engine_child(spawner, engine_id):
 def test_start_spawns_frontend_then_engines_and_ready_on_first_serving_engine():
     sup, spawner, clock, notifier, _ = make()
     assert [c.spec.key for c in spawner.children] == [("frontend",), ("engine", 0), ("engine", 1)]
-    assert spawner.children[1].spec.argv[1:3] == ["-m", "engine.proc"]
+    assert spawner.children[1].spec.argv[1:3] == ["-m", "planaria.engine.proc"]
     assert not any(line.startswith("READY") for line in notifier.lines)
     beat(sup, 0)
     assert notifier.lines[-1] == "READY=1 1/2 engines up, 0 restarts, frontend running"
@@ -209,7 +209,7 @@ def test_silent_engine_is_killed_as_frozen_even_if_it_was_idle():
 
 
 def test_engine_refused_for_its_config_is_not_restarted_and_status_says_why():
-    from engine.proc import EXIT_CONFIG_MISMATCH
+    from planaria.engine.proc import EXIT_CONFIG_MISMATCH
 
     sup, spawner, clock, notifier, deaths = make()
     beat(sup, 0)
@@ -231,8 +231,8 @@ def test_engine_refused_for_its_config_is_not_restarted_and_status_says_why():
 
 
 def test_every_engine_refused_for_its_config_stops_the_daemon_with_exit_2():
-    from daemon.supervisor import EXIT_CONFIG
-    from engine.proc import EXIT_CONFIG_MISMATCH
+    from planaria.daemon.supervisor import EXIT_CONFIG
+    from planaria.engine.proc import EXIT_CONFIG_MISMATCH
 
     sup, spawner, clock, notifier, _ = make(num_engines=2)
     die(sup, engine_child(spawner, 0), EXIT_CONFIG_MISMATCH)

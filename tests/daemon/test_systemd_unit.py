@@ -73,7 +73,7 @@ import sys
 import time
 
 sys.path.insert(0, {repo!r})
-from daemon.sd_notify import Notifier, watchdog_interval_s
+from planaria.daemon.sd_notify import Notifier, watchdog_interval_s
 
 notifier = Notifier.from_environ(unset_environment=True)
 interval_s = watchdog_interval_s() or 1.0

@@ -9,9 +9,9 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from elastic.etcd_client import make_client
-from elastic.etcd_server import EmbeddedEtcd, find_etcd_binary
-from elastic.membership import Membership
+from planaria.elastic.etcd_client import make_client
+from planaria.elastic.etcd_server import EmbeddedEtcd, find_etcd_binary
+from planaria.elastic.membership import Membership
 
 TTL_S = 2
 

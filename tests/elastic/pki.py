@@ -50,7 +50,7 @@ def make_pki(root: Path) -> PKI | None:
 def secure_etcd(root: Path, pki: PKI, user: str, password: str, token_ttl_s: int | None = None):
     """A started EmbeddedEtcd with TLS (client certificates required) and auth on: ``user``
     may read and write /planaria/ only. Returns (etcd, password file)."""
-    from elastic.etcd_server import EmbeddedEtcd, ServerTLS
+    from planaria.elastic.etcd_server import EmbeddedEtcd, ServerTLS
 
     extra = ["--auth-token-ttl", str(token_ttl_s)] if token_ttl_s else []
     etcd = EmbeddedEtcd(root / "etcd", tls=ServerTLS(cert=pki.server_cert, key=pki.server_key, ca=pki.ca),

@@ -6,10 +6,10 @@ import threading
 
 import pytest
 
-from elastic.desired import DesiredStore, OpNotFoundError
-from elastic.election import LeaderElection
-from elastic.errors import ScaleConflictError, StaleLeaderError
-from elastic.keys import OpPhase
+from planaria.elastic.desired import DesiredStore, OpNotFoundError
+from planaria.elastic.election import LeaderElection
+from planaria.elastic.errors import ScaleConflictError, StaleLeaderError
+from planaria.elastic.keys import OpPhase
 
 
 def test_request_scale_writes_desired_and_pending_op(client, cluster):

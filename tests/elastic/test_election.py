@@ -7,12 +7,12 @@ import time
 
 import pytest
 
-from elastic.election import LeaderElection
-from elastic.epochs import EpochStore
-from elastic.errors import EpochConflictError, EtcdUnavailableError, StaleLeaderError
-from elastic.keys import Epoch
-from elastic.membership import Membership
-from elastic.planner import expert_map
+from planaria.elastic.election import LeaderElection
+from planaria.elastic.epochs import EpochStore
+from planaria.elastic.errors import EpochConflictError, EtcdUnavailableError, StaleLeaderError
+from planaria.elastic.keys import Epoch
+from planaria.elastic.membership import Membership
+from planaria.elastic.planner import expert_map
 from tests.elastic.conftest import TTL_S, wait_for
 
 
@@ -175,8 +175,8 @@ def test_leader_loses_leadership_when_etcd_down_past_ttl(private_etcd, cluster):
 
 _ELECTOR = """
 import sys, time
-from elastic.election import LeaderElection
-from elastic.membership import Membership
+from planaria.elastic.election import LeaderElection
+from planaria.elastic.membership import Membership
 endpoint, cluster, node_id, start_at = sys.argv[1:5]
 m = Membership.from_endpoints(endpoint, cluster, node_id, ttl_s=5).start()
 m.ensure_lease()

@@ -8,9 +8,9 @@ import socket
 import pytest
 import torch.multiprocessing as mp
 
-from engine.config import EngineConfig
-from engine.messages import EngineCoreRequest
-from engine.sampling_params import SamplingParams
+from planaria.engine.config import EngineConfig
+from planaria.engine.messages import EngineCoreRequest
+from planaria.engine.sampling_params import SamplingParams
 
 MAX_TOKENS = 10
 
@@ -37,9 +37,9 @@ def _params():
 def _rank_main(rank, model, world_sizes, port, result_q):
     """Each rank serves its share of prompts in lockstep; after the first half of the
     steps, every rank moves to epoch 1 at the second world size (if given)."""
-    from elastic.ep import EPSpec, host_store
-    from elastic.ep_engine import EPRank, make_ep_core
-    from elastic.planner import expert_map
+    from planaria.elastic.ep import EPSpec, host_store
+    from planaria.elastic.ep_engine import EPRank, make_ep_core
+    from planaria.elastic.planner import expert_map
 
     store = host_store(f"127.0.0.1:{port}") if rank == 0 else None
     w0 = world_sizes[0]
@@ -110,7 +110,7 @@ def _run(model, world_sizes):
 
 @pytest.fixture(scope="module")
 def reference(tiny_moe):
-    from engine.core import EngineCore
+    from planaria.engine.core import EngineCore
 
     core = EngineCore(EngineConfig(model=tiny_moe, kv_cache_bytes=32 * 2**20, max_num_seqs=8))
     for i, p in enumerate(_prompts()):

@@ -12,13 +12,13 @@ from pathlib import Path
 
 import pytest
 
-from elastic.election import LeaderElection
-from elastic.epochs import EpochStore
-from elastic.errors import EtcdAuthError, EtcdUnavailableError
-from elastic.etcd_client import etcd_call, make_client, num_authentications
-from elastic.etcd_security import EtcdSecurity
-from elastic.keys import NodeInfo
-from elastic.membership import Membership
+from planaria.elastic.election import LeaderElection
+from planaria.elastic.epochs import EpochStore
+from planaria.elastic.errors import EtcdAuthError, EtcdUnavailableError
+from planaria.elastic.etcd_client import etcd_call, make_client, num_authentications
+from planaria.elastic.etcd_security import EtcdSecurity
+from planaria.elastic.keys import NodeInfo
+from planaria.elastic.membership import Membership
 from tests.elastic.conftest import _require_etcd, wait_for
 from tests.elastic.pki import make_pki, secure_etcd
 from tests.elastic.test_election import make_epoch
@@ -140,9 +140,9 @@ def test_missing_or_wrong_credentials_are_refused_clearly(etcd, pki, good, clust
 
 _ENGINE_LIKE = """
 import sys, time
-from elastic.etcd_security import EtcdSecurity
-from elastic.keys import NodeInfo
-from elastic.membership import Membership
+from planaria.elastic.etcd_security import EtcdSecurity
+from planaria.elastic.keys import NodeInfo
+from planaria.elastic.membership import Membership
 endpoint, cluster = sys.argv[1:3]
 m = Membership.from_endpoints(endpoint, cluster, "engine-like", ttl_s=2,
                               security=EtcdSecurity.from_env().validate()).start()
@@ -179,8 +179,8 @@ def test_a_child_process_takes_the_credentials_from_its_environment(etcd, good, 
 
 
 def test_serve_config_passes_paths_to_the_engines(pki, good, tmp_path):
-    from daemon import config as config_mod
-    from daemon.launch import Launcher
+    from planaria.daemon import config as config_mod
+    from planaria.daemon.launch import Launcher
 
     flags = {"model": str(tmp_path), "parallel": "ep", "etcd_endpoints": "127.0.0.1:1",
              "etcd_ca_cert": pki.ca, "etcd_cert": pki.client_cert, "etcd_key": pki.client_key,

@@ -7,10 +7,10 @@ import os
 import msgspec
 import pytest
 
-from elastic.errors import RecordDecodeError
-from elastic.etcd_client import make_client, parse_endpoint
-from elastic.etcd_server import EmbeddedEtcd, find_etcd_binary
-from elastic.keys import (Desired, EngineRecord, EngineState, Epoch, KeyLayout, KVBudget,
+from planaria.elastic.errors import RecordDecodeError
+from planaria.elastic.etcd_client import make_client, parse_endpoint
+from planaria.elastic.etcd_server import EmbeddedEtcd, find_etcd_binary
+from planaria.elastic.keys import (Desired, EngineRecord, EngineState, Epoch, KeyLayout, KVBudget,
                           NodeInfo, OpPhase, OpRecord, decode, encode)
 
 

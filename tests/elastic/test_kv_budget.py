@@ -6,8 +6,8 @@ import threading
 
 import pytest
 
-from elastic.keys import EngineRecord, KVBudget, KeyLayout, encode
-from elastic.kv_budget import KVBudgetRegistry
+from planaria.elastic.keys import EngineRecord, KVBudget, KeyLayout, encode
+from planaria.elastic.kv_budget import KVBudgetRegistry
 
 FP, DEV = "sha256-abc123", "NVIDIA H200"
 BLOCK_BYTES = 1 << 20

@@ -20,10 +20,10 @@ from pathlib import Path
 
 import psutil
 
-from elastic.desired import DesiredStore
-from elastic.keys import EngineRecord, EngineState, Epoch, KeyLayout, decode
-from elastic.membership import Membership
-from elastic.watch import PUT, KeyWatch
+from planaria.elastic.desired import DesiredStore
+from planaria.elastic.keys import EngineRecord, EngineState, Epoch, KeyLayout, decode
+from planaria.elastic.membership import Membership
+from planaria.elastic.watch import PUT, KeyWatch
 from tests.elastic.conftest import wait_for
 
 REPO = Path(__file__).resolve().parents[2]
@@ -32,7 +32,7 @@ TTL_S = 2
 _CONTROLLER = """
 import os, signal, sys, threading, time
 from pathlib import Path
-from elastic.cluster import EPNode
+from planaria.elastic.cluster import EPNode
 endpoint, cluster, node_id, model, rendezvous, pause_file, start_at = sys.argv[1:8]
 
 
@@ -85,7 +85,7 @@ node.stop()
 
 class Controller:
     def __init__(self, node_id: str, endpoint: str, cluster: str, model: str, root: Path, start_at: float):
-        from elastic.harness import free_port
+        from planaria.elastic.harness import free_port
 
         self.node_id = node_id
         self.pause_file = root / f"pause-{node_id}"

@@ -7,9 +7,9 @@ import time
 
 import pytest
 
-from elastic.errors import EtcdUnavailableError
-from elastic.keys import EngineRecord, EngineState, NodeInfo
-from elastic.membership import Membership
+from planaria.elastic.errors import EtcdUnavailableError
+from planaria.elastic.keys import EngineRecord, EngineState, NodeInfo
+from planaria.elastic.membership import Membership
 from tests.elastic.conftest import TTL_S, wait_for
 
 
@@ -210,8 +210,8 @@ def test_watch_engines_sees_puts_and_deletes(make_membership):
 
 
 def test_forget_engine_deletes_only_the_dead_incarnations_record(make_membership, client, cluster):
-    from elastic.keys import EngineRecord, EngineState
-    from elastic.membership import forget_engine
+    from planaria.elastic.keys import EngineRecord, EngineState
+    from planaria.elastic.membership import forget_engine
 
     m = make_membership("engine-e1")
     layout = m.layout

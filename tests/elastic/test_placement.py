@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from elastic.errors import PlacementConflictError, StaleLeaderError
-from elastic.keys import EngineRecord, EngineState, NodeInfo
-from elastic.placement import Placement, PlacementStore, allowed_engines, capacity, default_target, place
+from planaria.elastic.errors import PlacementConflictError, StaleLeaderError
+from planaria.elastic.keys import EngineRecord, EngineState, NodeInfo
+from planaria.elastic.placement import Placement, PlacementStore, allowed_engines, capacity, default_target, place
 
 
 def node(nid: str, engines: int = 1, max_engines: int = 3, started_at: float = 0.0) -> NodeInfo:
@@ -66,7 +66,7 @@ def test_allowed_engines_are_each_nodes_lowest_numbered():
 
 
 def test_placement_key_is_fenced_by_the_leader_and_its_revision(client, cluster, make_membership):
-    from elastic.election import LeaderElection
+    from planaria.elastic.election import LeaderElection
     from tests.elastic.conftest import wait_for
 
     store = PlacementStore(client, cluster)

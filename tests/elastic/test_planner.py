@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from elastic.keys import EngineRecord, EngineState, Epoch
-from elastic.planner import (Abort, ExpertMove, NoChange, Rebalance, Reform, ScaleDown, ScaleUp, engine_moves,
+from planaria.elastic.keys import EngineRecord, EngineState, Epoch
+from planaria.elastic.planner import (Abort, ExpertMove, NoChange, Rebalance, Reform, ScaleDown, ScaleUp, engine_moves,
                              expert_map, moves, plan_abort, plan_epoch)
 
 NOW = 1000.0

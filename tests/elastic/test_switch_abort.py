@@ -21,16 +21,16 @@ import pytest
 
 from bench.closed_loop import ClosedLoopLoad, mismatches
 from bench.streaming_load import request_bodies
-from elastic.harness import EPDeployment
-from elastic.keys import OpPhase
-from elastic.ep_proc import EP_FAULT_ENV
-from engine.envs import FAULT_INJECTION
+from planaria.elastic.harness import EPDeployment
+from planaria.elastic.keys import OpPhase
+from planaria.elastic.ep_proc import EP_FAULT_ENV
+from planaria.engine.envs import FAULT_INJECTION
 
 pytestmark = pytest.mark.timeout(600)
 
 
 def _reference(model: str, bodies: list[dict]) -> list[str]:
-    from engine import LLM, SamplingParams
+    from planaria.engine import LLM, SamplingParams
 
     llm = LLM(model, kv_cache_bytes=32 * 2**20, max_model_len=1024)
     out = []

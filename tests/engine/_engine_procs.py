@@ -1,6 +1,6 @@
 """Helpers for tests that run real engine-core processes on real sockets.
 
-No fakes here: ``spawn_engine`` starts ``python -m engine.proc`` on the tiny-moe demo
+No fakes here: ``spawn_engine`` starts ``python -m planaria.engine.proc`` on the tiny-moe demo
 model (the ``tiny_moe`` fixture of tests/conftest.py); ``RawFrontend`` is a bare ROUTER + PULL pair that speaks the wire protocol by hand;
 ``LoopThread`` runs an asyncio loop (and an EngineClient) for tests without pytest-asyncio.
 """
@@ -19,9 +19,9 @@ from pathlib import Path
 import msgspec
 import zmq
 
-from engine.messages import EngineCoreRequest
-from engine.sampling_params import SamplingParams
-from engine.wire import (FRONTEND_INPUT_TYPES, HandshakeInit, MsgType, WireDecoder, WireEncoder,
+from planaria.engine.messages import EngineCoreRequest
+from planaria.engine.sampling_params import SamplingParams
+from planaria.engine.wire import (FRONTEND_INPUT_TYPES, HandshakeInit, MsgType, WireDecoder, WireEncoder,
                          engine_identity)
 
 REPO = Path(__file__).resolve().parents[2]
@@ -36,7 +36,7 @@ def engine_config(model: Path, **kw) -> dict:
 
 def spawn_engine(index: int, input_addr: str, log_dir: Path, config: dict | None = None,
                  settings: dict | None = None, fault_injection: bool = False) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "engine.proc", "--engine-index", str(index), "--input-addr", input_addr]
+    cmd = [sys.executable, "-m", "planaria.engine.proc", "--engine-index", str(index), "--input-addr", input_addr]
     if config is not None:
         cmd += ["--config-json", msgspec.json.encode(config).decode()]
     cmd += ["--settings-json", msgspec.json.encode({"handshake_timeout_s": 60.0, **(settings or {})}).decode()]

@@ -2,9 +2,9 @@
 
 import pytest
 
-from engine import LLM, SamplingParams
-from engine.errors import InvalidRequestError
-from engine.messages import EngineCoreRequest
+from planaria.engine import LLM, SamplingParams
+from planaria.engine.errors import InvalidRequestError
+from planaria.engine.messages import EngineCoreRequest
 
 
 @pytest.fixture(scope="module")

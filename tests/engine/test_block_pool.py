@@ -1,9 +1,9 @@
 import pytest
 
-from engine.block_pool import NONE_HASH, BlockPool, hash_block_tokens, hash_request_blocks
-from engine.kv_cache_manager import KVCacheManager
-from engine.request import Request
-from engine.sampling_params import SamplingParams
+from planaria.engine.block_pool import NONE_HASH, BlockPool, hash_block_tokens, hash_request_blocks
+from planaria.engine.kv_cache_manager import KVCacheManager
+from planaria.engine.request import Request
+from planaria.engine.sampling_params import SamplingParams
 
 
 def make_req(rid, tokens, max_tokens=8):
@@ -24,7 +24,7 @@ def test_hash_stable_across_processes():
     import subprocess
     import sys
 
-    code = "from engine.block_pool import hash_block_tokens, NONE_HASH; print(hash_block_tokens(NONE_HASH, [5, 6, 7]))"
+    code = "from planaria.engine.block_pool import hash_block_tokens, NONE_HASH; print(hash_block_tokens(NONE_HASH, [5, 6, 7]))"
     outs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
             for _ in range(2)}
     assert outs == {f"{hash_block_tokens(NONE_HASH, [5, 6, 7])}\n"}

@@ -11,9 +11,9 @@ import msgspec
 import pytest
 import zmq
 
-from engine.client import EngineClient
-from engine.errors import EngineDeadError, EngineHandshakeError, NoEngineAvailableError
-from engine.wire import (PROTOCOL_VERSION, EngineDead, Hello, MsgType, Ready, WireDecoder,
+from planaria.engine.client import EngineClient
+from planaria.engine.errors import EngineDeadError, EngineHandshakeError, NoEngineAvailableError
+from planaria.engine.wire import (PROTOCOL_VERSION, EngineDead, Hello, MsgType, Ready, WireDecoder,
                          WireEncoder, ENGINE_INPUT_TYPES, engine_identity)
 from tests.engine._engine_procs import (LoopThread, engine_config, engine_log,
                                         request, spawn_engine, stop_engine)
@@ -294,7 +294,7 @@ def test_engine_death_failover_and_restart(tiny_model, tmp_path_factory):
 def test_config_hash_mismatch_stops_a_real_engine_with_a_distinct_code(tiny_model, tmp_path_factory):
     """READY's config hash differs from the one the client expects: the client answers
     HANDSHAKE_REJECT with the reason; the engine logs it and exits EXIT_CONFIG_MISMATCH."""
-    from engine.proc import EXIT_CONFIG_MISMATCH
+    from planaria.engine.proc import EXIT_CONFIG_MISMATCH
 
     lt = LoopThread()
     tmp = tmp_path_factory.mktemp("h")
@@ -318,7 +318,7 @@ def test_engine_core_dead_reaches_the_client_within_100ms(tiny_model, tmp_path_f
     """A fatal fault in the engine's busy loop: every in-flight stream raises EngineDeadError
     within 100 ms of the fault, timed from the engine's own clock reading at the fault
     (ENGINE_CORE_DEAD carries it; CLOCK_MONOTONIC is one clock for every process here)."""
-    from engine.proc import EXIT_DEAD
+    from planaria.engine.proc import EXIT_DEAD
 
     lt = LoopThread()
     tmp = tmp_path_factory.mktemp("f")

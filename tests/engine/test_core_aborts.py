@@ -8,10 +8,10 @@ import threading
 
 import pytest
 
-from engine.config import EngineConfig
-from engine.core import EngineCore
-from engine.messages import EngineCoreRequest
-from engine.sampling_params import SamplingParams
+from planaria.engine.config import EngineConfig
+from planaria.engine.core import EngineCore
+from planaria.engine.messages import EngineCoreRequest
+from planaria.engine.sampling_params import SamplingParams
 
 
 def _req(rid: str, n: int = 40, base: int = 100, max_tokens: int = 50) -> EngineCoreRequest:

@@ -10,8 +10,8 @@ transformers = pytest.importorskip("transformers")
 from safetensors.torch import load_file  # noqa: E402
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
-from daemon import cli  # noqa: E402
-from engine.demo_model import (  # noqa: E402
+from planaria.daemon import cli  # noqa: E402
+from planaria.engine.demo_model import (  # noqa: E402
     DECISIVE_INIT_RANGE,
     ENDOFTEXT,
     IM_END,
@@ -174,12 +174,3 @@ def test_refuses_non_empty_dir(tmp_path, capsys):
     assert (target / "keep.txt").read_text() == "precious"
     with pytest.raises(FileExistsError):
         build_demo_model(target)
-
-
-def test_hf_kernels_package_reported_unavailable():
-    # Our top-level `kernels/` package shadows the import name of Hugging Face's
-    # `kernels`; transformers must not mistake it for that package.
-    from transformers.utils.import_utils import is_kernels_available
-
-    is_kernels_available.cache_clear()
-    assert is_kernels_available() is False

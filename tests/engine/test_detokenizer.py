@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from engine.detokenizer import IncrementalDetokenizer, detokenize_all
-from engine.sampling_params import SamplingParams
+from planaria.engine.detokenizer import IncrementalDetokenizer, detokenize_all
+from planaria.engine.sampling_params import SamplingParams
 
 _CORPUS = """\
 The quick brown fox jumps over the lazy dog. Pack my box with five dozen liquor jugs.

@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from engine.config import EngineConfig
-from engine.core import EngineCore
-from engine.errors import UnsupportedModelError
-from engine.proc import EXIT_DEAD
-from engine.wire import HandshakeInit, MsgType
+from planaria.engine.config import EngineConfig
+from planaria.engine.core import EngineCore
+from planaria.engine.errors import UnsupportedModelError
+from planaria.engine.proc import EXIT_DEAD
+from planaria.engine.wire import HandshakeInit, MsgType
 from tests.engine._engine_procs import RawFrontend, engine_config, spawn_engine, stop_engine
 
 

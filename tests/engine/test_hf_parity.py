@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
+from planaria.engine import LLM, SamplingParams
 
 ARCHS = ["tiny-moe", "tiny-dense", "tiny-qwen2", "tiny-qwen3", "tiny-mixtral"]
 MAX_TOKENS = 12
@@ -94,7 +94,7 @@ def test_batch_queue_matches(demo_models):
     llm = LLM(model, max_num_seqs=8, max_num_batched_tokens=256, kv_cache_bytes=64 * 2**20,
               max_concurrent_batches=2)
     core = llm.core
-    from engine.messages import EngineCoreRequest
+    from planaria.engine.messages import EngineCoreRequest
 
     for i, p in enumerate(prompts):
         core.add_request(EngineCoreRequest(request_id=str(i), prompt_token_ids=p,

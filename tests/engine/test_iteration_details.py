@@ -7,10 +7,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from engine.config import EngineConfig
-from engine.core import EngineCore
-from engine.messages import EngineCoreOutputs, EngineCoreRequest, IterationDetails
-from engine.sampling_params import SamplingParams
+from planaria.engine.config import EngineConfig
+from planaria.engine.core import EngineCore
+from planaria.engine.messages import EngineCoreOutputs, EngineCoreRequest, IterationDetails
+from planaria.engine.sampling_params import SamplingParams
 
 
 def _req(rid: str, n: int = 24, max_tokens: int = 8, start: int = 3) -> EngineCoreRequest:
@@ -58,7 +58,7 @@ def test_preemptions_are_counted_per_step(tiny_moe):
 
 
 def test_records_travel_on_the_wire():
-    from engine.wire import MsgType, WireDecoder, WireEncoder
+    from planaria.engine.wire import MsgType, WireDecoder, WireEncoder
 
     outs = EngineCoreOutputs(engine_index=1, iteration_details=[IterationDetails(
         step_index=7, request_ids=["a", "b"], num_scheduled_tokens=[1, 16], step_s=0.002, kv_usage=0.5,
@@ -69,7 +69,7 @@ def test_records_travel_on_the_wire():
 
 
 def test_engine_process_publishes_records(tiny_moe):
-    from engine.proc import EngineCoreProc
+    from planaria.engine.proc import EngineCoreProc
 
     proc = EngineCoreProc(0, ["ipc:///nonexistent"], None)
     proc.core = _core(tiny_moe, num_kv_blocks=32)
@@ -83,7 +83,7 @@ def test_engine_process_publishes_records(tiny_moe):
 
 
 def test_metrics_export():
-    from frontend.metrics import FrontendMetrics
+    from planaria.frontend.metrics import FrontendMetrics
 
     m = FrontendMetrics("x")
     m.iterations.observe(0, [IterationDetails(step_index=i, request_ids=["a"], num_scheduled_tokens=[4],

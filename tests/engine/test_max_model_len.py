@@ -7,9 +7,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from engine.config import EngineConfig
-from engine.core import EngineCore
-from engine.errors import KVCacheTooSmallError
+from planaria.engine.config import EngineConfig
+from planaria.engine.core import EngineCore
+from planaria.engine.errors import KVCacheTooSmallError
 
 
 def test_lowered_to_the_kv_capacity(tiny_moe):
@@ -27,7 +27,7 @@ def test_strict_refuses_with_a_clear_message(tiny_moe):
 
 
 def test_ready_carries_the_final_figure(tiny_moe):
-    from engine.proc import EngineCoreProc
+    from planaria.engine.proc import EngineCoreProc
 
     proc = EngineCoreProc(0, ["ipc:///nonexistent"], None)
     proc.core = EngineCore(EngineConfig(model=tiny_moe, num_kv_blocks=8, block_size=16, max_model_len=1024))
@@ -35,8 +35,8 @@ def test_ready_carries_the_final_figure(tiny_moe):
 
 
 def test_frontend_uses_the_engines_figure(tiny_moe):
-    from engine.client import EngineInfo
-    from frontend.server import create_server
+    from planaria.engine.client import EngineInfo
+    from planaria.frontend.server import create_server
 
     engines = [EngineInfo(index=0, state="running", max_model_len=128),
                EngineInfo(index=1, state="running", max_model_len=96)]

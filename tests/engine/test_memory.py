@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from engine.memory import tune_cpu_allocator
+from planaria.engine.memory import tune_cpu_allocator
 
 
 def test_allocator_tuning_is_idempotent():

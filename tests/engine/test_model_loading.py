@@ -17,11 +17,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from engine.config import EngineConfig
-from engine.core import EngineCore
-from engine.errors import ModelLoadError
-from engine.models.loader import load_expert_weights, load_model
-from kernels.rotary import RotaryEmbedding
+from planaria.engine.config import EngineConfig
+from planaria.engine.core import EngineCore
+from planaria.engine.errors import ModelLoadError
+from planaria.engine.models.loader import load_expert_weights, load_model
+from planaria.kernels.rotary import RotaryEmbedding
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -132,8 +132,8 @@ def test_engine_start_imports_no_compiler_or_model_code(tiny_moe):
     tables are: the config class's docstring decorator imports them)."""
     code = (
         "import json, sys\n"
-        "from engine.config import EngineConfig\n"
-        "from engine.core import EngineCore\n"
+        "from planaria.engine.config import EngineConfig\n"
+        "from planaria.engine.core import EngineCore\n"
         f"core = EngineCore(EngineConfig(model={tiny_moe!r}, max_model_len=128, max_num_seqs=4, "
         "max_num_batched_tokens=128, num_threads=1))\n"  # profiling: one forward too
         "bad = [m for m in sys.modules if m.startswith(('torch._dynamo', 'sympy', 'torch._inductor'))"

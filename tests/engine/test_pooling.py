@@ -38,7 +38,7 @@ def model_dir() -> str:
 
 @pytest.fixture(scope="module")
 def llm(model_dir):
-    from engine.llm import LLM
+    from planaria.engine.llm import LLM
 
     return LLM(model=model_dir)
 
@@ -58,7 +58,7 @@ def _reference(model_dir: str, texts: list[str]) -> torch.Tensor:
 
 
 def test_pooling_config_from_the_package(model_dir):
-    from engine.pooling.loader import pooling_config
+    from planaria.engine.pooling.loader import pooling_config
 
     pc = pooling_config(Path(model_dir))
     assert (pc.mode, pc.normalize, pc.max_seq_length) == ("mean", True, 256)
@@ -88,7 +88,7 @@ def test_paraphrase_scores_above_unrelated(llm):
 
 
 def test_token_id_input_and_limits(llm):
-    from engine.errors import InvalidRequestError
+    from planaria.engine.errors import InvalidRequestError
 
     ids = llm.tokenizer.encode(SENTENCES[0])
     assert torch.allclose(torch.tensor(llm.embed(ids)[0]), torch.tensor(llm.embed(SENTENCES[0])[0]), atol=1e-5)
@@ -100,9 +100,9 @@ def test_token_id_input_and_limits(llm):
 
 
 def test_pooling_core_is_chosen_and_warns(model_dir, capsys):
-    from engine.config import EngineConfig
-    from engine.core import create_engine_core
-    from engine.pooling import PoolingEngineCore
+    from planaria.engine.config import EngineConfig
+    from planaria.engine.core import create_engine_core
+    from planaria.engine.pooling import PoolingEngineCore
 
     core = create_engine_core(EngineConfig(model=model_dir))
     assert isinstance(core, PoolingEngineCore)
@@ -125,7 +125,7 @@ def server(model_dir, tmp_path_factory):
     port = _free_port()
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "frontend.main", "--model", model_dir, "--http", f"127.0.0.1:{port}",
+        [sys.executable, "-m", "planaria.frontend.main", "--model", model_dir, "--http", f"127.0.0.1:{port}",
          "--runtime-dir", runtime, "--engines", "1", "--spawn-engines", "--served-model-name", "minilm",
          "--drain-timeout-s", "5", "--engine-config-json", '{"num_threads": 1}'],
         cwd=REPO, env=env, stdout=open(logs / "frontend.log", "wb"), stderr=subprocess.STDOUT)

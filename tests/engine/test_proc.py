@@ -9,9 +9,9 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from engine.messages import EngineCoreRequest
-from engine.proc import EXIT_CONFIG_MISMATCH, EXIT_DEAD, EXIT_HANDSHAKE
-from engine.wire import (PROTOCOL_VERSION, AbortRequests, MsgType, Shutdown, UtilityCall,
+from planaria.engine.messages import EngineCoreRequest
+from planaria.engine.proc import EXIT_CONFIG_MISMATCH, EXIT_DEAD, EXIT_HANDSHAKE
+from planaria.engine.wire import (PROTOCOL_VERSION, AbortRequests, MsgType, Shutdown, UtilityCall,
                          WireEncoder)
 from tests.engine._engine_procs import (RawFrontend, engine_config, engine_log,
                                         request, spawn_engine, stop_engine)
@@ -231,7 +231,7 @@ def test_unhealthy_then_reset_drops_work_and_serves_again(tiny_model, short_tmp)
 
 
 def test_unhealthy_then_resume_keeps_requests(tiny_model, short_tmp):
-    from engine.core import EngineCore
+    from planaria.engine.core import EngineCore
 
     if not hasattr(EngineCore, "recover_after_fault"):
         pytest.skip("EngineCore has no recover_after_fault(): a failed step's batch stays in flight")

@@ -2,10 +2,10 @@
 
 import pytest
 
-from engine.kv_cache_manager import KVCacheManager
-from engine.request import Request, RequestStatus
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
+from planaria.engine.kv_cache_manager import KVCacheManager
+from planaria.engine.request import Request, RequestStatus
+from planaria.engine.sampling_params import SamplingParams
+from planaria.engine.scheduler import Scheduler
 
 
 def req(rid, n_prompt, max_tokens=4, priority=0, t=0.0, base=0, **sp):

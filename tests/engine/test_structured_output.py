@@ -8,11 +8,11 @@ import time
 
 import pytest
 
-from engine.llm import LLM
-from engine.messages import EngineCoreRequest
-from engine.request import Request
-from engine.sampling_params import SamplingParams
-from engine.structured_output import grammar_source
+from planaria.engine.llm import LLM
+from planaria.engine.messages import EngineCoreRequest
+from planaria.engine.request import Request
+from planaria.engine.sampling_params import SamplingParams
+from planaria.engine.structured_output import grammar_source
 
 pytest.importorskip("llguidance")
 
@@ -216,7 +216,7 @@ def test_no_grammar_fast_path_costs_nothing(llm):
 
 
 def test_grammar_source_rejects_malformed_specs():
-    from engine.errors import InvalidRequestError
+    from planaria.engine.errors import InvalidRequestError
 
     for bad in ({"type": "regex"}, {"type": "choice", "value": [1]}, "json", {"type": "json_schema", "value": "[1]"}):
         with pytest.raises(InvalidRequestError):

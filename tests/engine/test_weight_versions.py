@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from engine.config import EngineConfig
-from engine.core import EngineCore
-from engine.errors import WeightLoadError
-from engine.messages import EngineCoreRequest
-from engine.sampling_params import SamplingParams
+from planaria.engine.config import EngineConfig
+from planaria.engine.core import EngineCore
+from planaria.engine.errors import WeightLoadError
+from planaria.engine.messages import EngineCoreRequest
+from planaria.engine.sampling_params import SamplingParams
 
 PROMPT = list(range(5, 21))
 MAX_TOKENS = 12
@@ -17,7 +17,7 @@ MAX_TOKENS = 12
 
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory):
-    from engine.demo_model import build_demo_model
+    from planaria.engine.demo_model import build_demo_model
 
     root = tmp_path_factory.mktemp("weights")
     return {name: str(build_demo_model(root / name, preset, seed=seed))
@@ -187,7 +187,7 @@ def test_a_checkpoint_that_fails_its_read_changes_nothing(ckpts, tmp_path):
 
 
 def test_a_second_load_while_one_is_in_progress_is_refused(ckpts):
-    from engine.weight_update import IN_PROGRESS
+    from planaria.engine.weight_update import IN_PROGRESS
 
     core = _core(ckpts["a"])
     core.add_request(_req("r"))
@@ -200,8 +200,8 @@ def test_a_second_load_while_one_is_in_progress_is_refused(ckpts):
 
 
 def test_load_weights_is_a_utility_call(ckpts):
-    from engine.proc import EngineCoreProc
-    from engine.wire import MsgType, UtilityCall
+    from planaria.engine.proc import EngineCoreProc
+    from planaria.engine.wire import MsgType, UtilityCall
 
     proc = EngineCoreProc(0, ["ipc:///nonexistent"], None)
     proc.core = _core(ckpts["a"])
@@ -221,9 +221,9 @@ def test_expert_rehoming_after_a_swap_reads_the_new_checkpoint(ckpts):
     them from the swapped-in checkpoint, not from the one it started with."""
     import torch
 
-    from engine.model_runner import ModelRunner
-    from engine.models.loader import load_model
-    from engine.weight_update import WeightLoad, apply
+    from planaria.engine.model_runner import ModelRunner
+    from planaria.engine.models.loader import load_model
+    from planaria.engine.weight_update import WeightLoad, apply
 
     runner = ModelRunner(EngineConfig(model=ckpts["a"], num_kv_blocks=8, max_model_len=64), 64, (0, 4))
     load = WeightLoad.start(runner, ckpts["b"], "v2", "continue_new")

@@ -5,10 +5,10 @@ import random
 import msgspec
 import pytest
 
-from engine.errors import WireFormatError
-from engine.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, Logprobs, SchedulerStats
-from engine.sampling_params import SamplingParams
-from engine.wire import (ENGINE_INPUT_TYPES, FRONTEND_INPUT_TYPES, AbortRequests, EngineDead, Hello,
+from planaria.engine.errors import WireFormatError
+from planaria.engine.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, Logprobs, SchedulerStats
+from planaria.engine.sampling_params import SamplingParams
+from planaria.engine.wire import (ENGINE_INPUT_TYPES, FRONTEND_INPUT_TYPES, AbortRequests, EngineDead, Hello,
                          MsgType, UtilityCall, WireDecoder, WireEncoder, engine_identity,
                          engine_index_of, recover_call_id)
 

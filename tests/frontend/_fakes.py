@@ -6,8 +6,8 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 
-from engine.errors import EngineDeadError, NoEngineAvailableError
-from engine.messages import EngineCoreOutput, Logprobs, SchedulerStats
+from planaria.engine.errors import EngineDeadError, NoEngineAvailableError
+from planaria.engine.messages import EngineCoreOutput, Logprobs, SchedulerStats
 
 VOCAB = 256  # token id = a byte (latin-1 character)
 EOS = 0

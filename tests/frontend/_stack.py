@@ -49,13 +49,13 @@ class Stack:
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
                    OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
         self.frontend = subprocess.Popen(
-            [sys.executable, "-m", "frontend.main", "--model", str(model), "--http", f"127.0.0.1:{self.port}",
+            [sys.executable, "-m", "planaria.frontend.main", "--model", str(model), "--http", f"127.0.0.1:{self.port}",
              "--runtime-dir", str(self.runtime), "--engines", str(num_engines), "--drain-timeout-s", "5",
              "--engine-config-json", msgspec.json.encode(engine_config).decode()],
             cwd=REPO, env=env, stdout=open(root / "frontend.log", "wb"), stderr=subprocess.STDOUT)
         settings = msgspec.json.encode({"handshake_timeout_s": 60.0, "stats_interval_s": 0.2}).decode()
         self.engines = [subprocess.Popen(
-            [sys.executable, "-m", "engine.proc", "--engine-index", str(i),
+            [sys.executable, "-m", "planaria.engine.proc", "--engine-index", str(i),
              "--input-addr", f"ipc://{self.runtime / 'fe0-in'}", "--settings-json", settings],
             cwd=REPO, env=env, stdout=open(root / f"engine{i}.log", "wb"), stderr=subprocess.STDOUT)
             for i in range(num_engines)]

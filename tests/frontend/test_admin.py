@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from daemon.envelope import ErrorCode
-from daemon.errors import AdminError, UnavailableError
-from frontend import admin
+from planaria.daemon.envelope import ErrorCode
+from planaria.daemon.errors import AdminError, UnavailableError
+from planaria.frontend import admin
 from tests.frontend._fakes import FakeEngineClient, FakeEngineInfo
 
 

@@ -14,7 +14,7 @@ import pytest
 
 from tests.frontend._stack import Stack
 
-pytest.importorskip("engine.detokenizer", reason="engine/detokenizer.py is not there yet")
+pytest.importorskip("planaria.engine.detokenizer", reason="engine/detokenizer.py is not there yet")
 
 NUM_ENGINES = 2
 MAX_MODEL_LEN = 256
@@ -24,7 +24,7 @@ ENGINE_CONFIG = dict(kv_cache_bytes=16 * 2**20, max_model_len=MAX_MODEL_LEN, max
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    from engine.demo_model import build_demo_model
+    from planaria.engine.demo_model import build_demo_model
 
     root = tmp_path_factory.mktemp("frontend-http")
     model = build_demo_model(root / "tiny-moe", "tiny-moe")

@@ -8,13 +8,13 @@ import asyncio
 import msgspec
 import pytest
 
-from engine.errors import EngineDeadError, NoEngineAvailableError
-from engine.messages import EngineCoreOutput, EngineCoreRequest
-from engine.sampling_params import SamplingParams
-from frontend.errors import ServiceUnavailableError
-from frontend.generation import Generator
-from frontend.journal import GiveUp, Replay, RequestJournal, replay_request
-from frontend.metrics import FrontendMetrics
+from planaria.engine.errors import EngineDeadError, NoEngineAvailableError
+from planaria.engine.messages import EngineCoreOutput, EngineCoreRequest
+from planaria.engine.sampling_params import SamplingParams
+from planaria.frontend.errors import ServiceUnavailableError
+from planaria.frontend.generation import Generator
+from planaria.frontend.journal import GiveUp, Replay, RequestJournal, replay_request
+from planaria.frontend.metrics import FrontendMetrics
 
 
 class Clock:
@@ -257,8 +257,8 @@ def test_stop_string_is_checked_across_the_replay():
                                 dict(temperature=1.0, seed=99, presence_penalty=0.5, frequency_penalty=0.3),
                                 dict(temperature=0.0)])
 def test_a_replayed_request_draws_what_the_uninterrupted_run_drew(tiny_moe, sp):
-    from engine.config import EngineConfig
-    from engine.core import EngineCore
+    from planaria.engine.config import EngineConfig
+    from planaria.engine.core import EngineCore
 
     core = EngineCore(EngineConfig(model=tiny_moe, kv_cache_bytes=8 * 2**20, max_model_len=256,
                                    num_threads=1, enable_prefix_caching=False))

@@ -6,10 +6,10 @@ import json
 
 import pytest
 
-from frontend.errors import RequestError
-from frontend.params import fit_max_tokens, sampling_params, structured_output
-from frontend.prompts import chat_messages, tokenize_chat, tokenize_completion
-from frontend.protocol import decode_chat, decode_completion
+from planaria.frontend.errors import RequestError
+from planaria.frontend.params import fit_max_tokens, sampling_params, structured_output
+from planaria.frontend.prompts import chat_messages, tokenize_chat, tokenize_completion
+from planaria.frontend.protocol import decode_chat, decode_completion
 from tests.frontend._fakes import VOCAB, FakeTokenizer
 
 TOK = FakeTokenizer()

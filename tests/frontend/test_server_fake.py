@@ -13,16 +13,16 @@ import openai
 import pytest
 from aiohttp import web
 
-from frontend.generation import Generator
-from frontend.metrics import FrontendMetrics
-from frontend.server import FrontendServer
-from frontend.serving import ModelInfo, OpenAIServing
+from planaria.frontend.generation import Generator
+from planaria.frontend.metrics import FrontendMetrics
+from planaria.frontend.server import FrontendServer
+from planaria.frontend.serving import ModelInfo, OpenAIServing
 from tests.frontend._fakes import EOS, VOCAB, FakeDetokenizer, FakeEngineClient, FakeTokenizer
 
 
 @contextlib.asynccontextmanager
 async def serve(client: FakeEngineClient, max_model_len: int = 64, max_replays: int | None = None):
-    from frontend.journal import RequestJournal
+    from planaria.frontend.journal import RequestJournal
 
     tok = FakeTokenizer()
     metrics = FrontendMetrics("fake")

@@ -39,7 +39,7 @@ HTTP_SCHEMAS = [_bounded(s) for s in SCHEMAS]
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    from engine.demo_model import build_demo_model
+    from planaria.engine.demo_model import build_demo_model
 
     root = tmp_path_factory.mktemp("structured-http")
     s = Stack(root, build_demo_model(root / "tiny-moe", "tiny-moe"), 1, ENGINE_CONFIG)

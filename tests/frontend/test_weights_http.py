@@ -28,7 +28,7 @@ import psutil
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-PLANARIA = [sys.executable, "-m", "daemon.cli"]
+PLANARIA = [sys.executable, "-m", "planaria.daemon.cli"]
 ENGINE_CONFIG = {"kv_cache_bytes": 16 * 2**20, "max_model_len": 256, "max_num_seqs": 16,
                  "max_num_batched_tokens": 512, "num_threads": 1}
 PROMPT = [5, 6, 7, 8, 9, 10, 11, 12]  # token ids: the same prompt for HTTP and the offline reference
@@ -135,7 +135,7 @@ def _stop_tree(proc: subprocess.Popen, timeout_s: float = 20.0) -> int | None:
 
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory):
-    from engine.demo_model import build_demo_model
+    from planaria.engine.demo_model import build_demo_model
 
     root = tmp_path_factory.mktemp("lw-models")
     out = {name: str(build_demo_model(root / name, preset, seed=seed, progress=lambda _: None))
@@ -167,15 +167,15 @@ def daemon(ckpts, tmp_path_factory):
 
 @functools.lru_cache(maxsize=None)
 def _reference_text(model: str) -> str:
-    from engine.llm import LLM
-    from engine.sampling_params import SamplingParams
+    from planaria.engine.llm import LLM
+    from planaria.engine.sampling_params import SamplingParams
 
     llm = LLM(model, num_kv_blocks=32, max_model_len=64)
     return llm.generate([PROMPT], SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True))[0].text
 
 
 def test_responses_and_models_carry_the_weight_version(daemon, ckpts):
-    from engine.models.loader import model_fingerprint
+    from planaria.engine.models.loader import model_fingerprint
 
     v_a = model_fingerprint(ckpts["a"])
     m = daemon.models()
@@ -218,7 +218,7 @@ def test_bad_directory_and_incompatible_checkpoints_change_nothing(daemon, ckpts
 def test_finish_old_on_one_engine_while_streams_run(daemon, ckpts):
     """Engine 0 only, finish_old, while a stream runs on each engine: both end on the old
     weights; then engine 0 serves the new version while engine 1 keeps the old one."""
-    from engine.weight_update import content_version
+    from planaria.engine.weight_update import content_version
 
     v_a, v_b = daemon.models()["weight_version"], content_version(ckpts["b"])
     streams: list[list[dict]] = [[], []]
@@ -251,7 +251,7 @@ def test_finish_old_on_one_engine_while_streams_run(daemon, ckpts):
 
 
 def test_continue_new_on_every_engine_changes_version_and_text(daemon, ckpts):
-    from engine.weight_update import content_version
+    from planaria.engine.weight_update import content_version
 
     v_b = content_version(ckpts["b"])
     r = daemon.cli("load-weights", ckpts["b"], "--policy", "continue_new", "--version", "b-1")

@@ -173,7 +173,7 @@ def nodes(net, tiny_moe, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference(tiny_moe):
-    from engine import LLM, SamplingParams
+    from planaria.engine import LLM, SamplingParams
 
     llm = LLM(tiny_moe, kv_cache_bytes=16 * 2**20, max_model_len=256)
     return llm.generate([PROMPT["prompt"]], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))[0].text

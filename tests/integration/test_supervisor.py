@@ -26,7 +26,7 @@ import psutil
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-PLANARIA = [sys.executable, "-m", "daemon.cli"]
+PLANARIA = [sys.executable, "-m", "planaria.daemon.cli"]
 ENGINE_CONFIG = {"kv_cache_bytes": 16 * 2**20, "max_model_len": 256, "max_num_seqs": 16,
                  "max_num_batched_tokens": 512, "num_threads": 1}
 HANG_TIMEOUT_S = 3.0
@@ -42,7 +42,7 @@ def _free_port() -> int:
 
 class Daemon:
     def __init__(self, model: str, root: Path, extra_args: tuple[str, ...] = ()) -> None:
-        from daemon.admin_keys import make_keypair
+        from planaria.daemon.admin_keys import make_keypair
 
         self.root = root
         self.state = root / "state"
@@ -203,8 +203,8 @@ def test_admin_bad_inputs_change_nothing(daemon, tmp_path):
 
 
 def test_unknown_admin_command_is_refused_and_changes_nothing(daemon):
-    from daemon.control import ControlClient
-    from daemon.errors import UnknownCommandError
+    from planaria.daemon.control import ControlClient
+    from planaria.daemon.errors import UnknownCommandError
 
     before = daemon.status()
     with pytest.raises(UnknownCommandError, match=r"unknown command 'reboot-everything' \(known: .*status"):
@@ -217,7 +217,7 @@ def test_unknown_admin_command_is_refused_and_changes_nothing(daemon):
 
 
 def test_remote_status_over_tcp_with_curve_keys(daemon, tmp_path):
-    from daemon.admin_keys import make_keypair
+    from planaria.daemon.admin_keys import make_keypair
 
     remote = daemon.remote_cli("status", "--json")
     assert remote.returncode == 0, remote.stderr
@@ -261,7 +261,7 @@ def test_engine_refused_for_its_config_is_not_restarted(tiny_moe, tmp_path):
     engine left it stops with exit 2 (the unit's RestartPreventExitStatus=)."""
     import asyncio
 
-    from engine.client import EngineClient, ipc_addresses
+    from planaria.engine.client import EngineClient, ipc_addresses
 
     runtime = Path(tempfile.mkdtemp(prefix="pl-cfg-"))
     loop = asyncio.new_event_loop()

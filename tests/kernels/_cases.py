@@ -83,7 +83,7 @@ def attention_inputs(case: AttentionCase, device, dtype):
     """(q, k, v, k_cache, v_cache, metadata) for one paged_attention call: the batch holds
     decodes first, then prefills (the kernel's layout); the cache holds every sequence's
     tokens before ``start``, except prefixes this same batch writes."""
-    from kernels.attention import build_metadata
+    from planaria.kernels.attention import build_metadata
 
     heads_kv, dim = case.k_full[0].shape[1:]
     k_cache = torch.zeros(case.num_slots, heads_kv, dim, dtype=dtype)

@@ -5,7 +5,7 @@ against naive causal attention (tests/kernels/_cases.py)."""
 import pytest
 import torch
 
-from kernels.attention import build_metadata, paged_attention
+from planaria.kernels.attention import build_metadata, paged_attention
 from tests.kernels._cases import attention_case, attention_inputs, attention_reference, slots_of
 
 

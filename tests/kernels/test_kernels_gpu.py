@@ -6,10 +6,10 @@ on CPU in float32). Marked ``gpu``: skipped where torch.cuda.is_available() is F
 import pytest
 import torch
 
-from kernels.attention import paged_attention
-from kernels.moe import grouped_expert_mlp, route
-from kernels.norm import rms_norm
-from kernels.rotary import RotaryEmbedding
+from planaria.kernels.attention import paged_attention
+from planaria.kernels.moe import grouped_expert_mlp, route
+from planaria.kernels.norm import rms_norm
+from planaria.kernels.rotary import RotaryEmbedding
 from tests.kernels._cases import (attention_case, attention_inputs, attention_reference, moe_case,
                                   moe_reference, rms_norm_reference, rope_config)
 
@@ -79,7 +79,7 @@ def test_rotary_gpu_matches_cpu(dtype, rtol, atol, rope_type):
 
 @pytest.mark.parametrize("preset", ["tiny-moe", "tiny-dense"])
 def test_engine_generate_on_gpu(demo_models, preset):
-    from engine import LLM, SamplingParams
+    from planaria.engine import LLM, SamplingParams
 
     model = demo_models(preset)
     prompts = [[3 + (7 * i + j) % 4000 for i in range(n)] for j, n in enumerate([1, 5, 17, 40, 90, 130, 200, 33])]

@@ -5,8 +5,8 @@ experts active, skewed routing), and an expert-parallel rank's share."""
 import pytest
 import torch
 
-from kernels import moe
-from kernels.moe import grouped_expert_mlp, route
+from planaria.kernels import moe
+from planaria.kernels.moe import grouped_expert_mlp, route
 from tests.kernels._cases import moe_case, moe_reference, route_reference
 
 

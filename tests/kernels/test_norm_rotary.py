@@ -4,8 +4,8 @@ float64 formula and against transformers' Llama implementations."""
 import pytest
 import torch
 
-from kernels.norm import RMSNorm, rms_norm
-from kernels.rotary import RotaryEmbedding, compute_inv_freq
+from planaria.kernels.norm import RMSNorm, rms_norm
+from planaria.kernels.rotary import RotaryEmbedding, compute_inv_freq
 from tests.kernels._cases import rms_norm_reference, rope_config, rope_reference
 
 
@@ -60,7 +60,7 @@ def test_rotary_default_frequencies_and_norm():
 
 
 def test_dynamic_rope_is_refused():
-    from engine.errors import UnsupportedModelError
+    from planaria.engine.errors import UnsupportedModelError
     from transformers import LlamaConfig
 
     cfg = LlamaConfig(hidden_size=128, num_attention_heads=4, head_dim=32,

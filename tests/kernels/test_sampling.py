@@ -7,10 +7,10 @@ import math
 import pytest
 import torch
 
-from engine.request import Request
-from engine.sampling_metadata import PRIOR_OUTPUT_TOKENS_KEY, SamplingMetadata
-from engine.sampling_params import SamplingParams
-from kernels.sampling import Sampler
+from planaria.engine.request import Request
+from planaria.engine.sampling_metadata import PRIOR_OUTPUT_TOKENS_KEY, SamplingMetadata
+from planaria.engine.sampling_params import SamplingParams
+from planaria.kernels.sampling import Sampler
 
 V = 64
 EOS = 3
@@ -196,7 +196,7 @@ def test_metadata_caches_row_constants():
 
 @pytest.mark.parametrize("vocab_size", [4096, 32000, 1000, 50257])
 def test_argmax_rows_matches_torch_with_ties_and_nan(vocab_size):
-    from kernels.sampling import argmax_rows
+    from planaria.kernels.sampling import argmax_rows
 
     g = torch.Generator().manual_seed(vocab_size)
     x = torch.randint(0, 5, (6, vocab_size), generator=g).float()  # [6, V], many ties

@@ -1,0 +1,204 @@
+"""Run the supervisor: the OpenAI frontend and N engine cores, kept alive.
+
+    planaria serve --model DIR --engines N --http HOST:PORT [--state-dir D]
+                   [--runtime-dir R] [--engine-config-json JSON] [--hang-timeout-s S] ...
+
+Spawns `python -m planaria.frontend.main` and N `python -m planaria.engine.proc` children, restarts them
+when they die (backoff, flap hold-off, --retry-limit), kills engines that hang (work
+queued, no step progress for --hang-timeout-s), reports every engine death to the
+frontend at once, serves the admin socket (RUNTIME_DIR/control.sock) for `planaria
+status|restart|drain|scale|logs`, and keeps each child's output in STATE_DIR/logs/.
+
+Under systemd (Type=notify): READY=1 once an engine serves, STATUS= lines, WATCHDOG=1
+from the main loop, STOPPING=1 on SIGTERM, RELOADING=1 on SIGHUP (re-reads --env-file
+and applies log level, restart policy, hang and stop timeouts, --max-engines live).
+
+Signals: SIGTERM/SIGINT drain (children get SIGTERM, SIGKILL after --stop-timeout-s; a
+second signal kills at once); SIGHUP reloads. Exit codes: 0 stopped cleanly; 1 failed
+(a child gave up, or another daemon holds the runtime dir); 2 bad configuration (flags,
+admin keys, or every engine refused by the frontend for its config hash / protocol
+version; an engine that exits so is not restarted, see daemon/restart_policy.py).
+
+Remote admin: --admin-tcp HOST:PORT also serves the admin socket on TCP with CurveZMQ.
+The server key pair is made on the first start in --admin-keys-dir (default
+STATE_DIR/admin-keys: server.key is the public half clients need); clients are those
+whose public key is in its authorized/ directory (`planaria keygen NAME` makes a pair;
+at least one is needed to start). Then: `planaria status --connect tcp://HOST:PORT
+--server-key server.key --client-key NAME.key_secret`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+NAME = "serve"
+HELP = "run the supervisor daemon (frontend + engine cores)"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from planaria.daemon.config import add_serve_arguments
+
+    add_serve_arguments(parser)
+
+
+def main(args: argparse.Namespace) -> int:
+    import zmq
+
+    from planaria.daemon import config as config_mod
+    from planaria.daemon import logging as plog
+    from planaria.daemon.admin_keys import AdminKeyError
+    from planaria.daemon.children import PopenSpawner
+    from planaria.daemon.commands._common import admin_modules
+    from planaria.daemon.control import ControlServer, ensure_runtime_dir
+    from planaria.daemon.errors import DaemonAlreadyRunningError
+    from planaria.daemon.launch import frontend_addresses, heartbeat_address, log_dir
+    from planaria.daemon.loop import DeathReporter, SupervisorLoop, command_handler
+    from planaria.daemon.sd_notify import Notifier, watchdog_interval_s
+    from planaria.daemon.supervisor import EXIT_FAILURE, Supervisor
+
+    cli_flags = config_mod.given_flags(args)
+    try:
+        config = config_mod.load(cli_flags)
+    except config_mod.ConfigError as exc:
+        print(f"planaria serve: {exc}", file=sys.stderr)
+        return 2
+    if not Path(config.model).is_dir():
+        print(f"planaria serve: --model {config.model} is not a directory", file=sys.stderr)
+        return 2
+    interval_s = watchdog_interval_s()  # before the notifier unsets WATCHDOG_USEC
+    notifier = Notifier.from_environ(unset_environment=True)
+    plog.configure(level=config.log_level)
+    log = plog.get_logger("planaria.serve")
+    Path(config.state_dir).mkdir(parents=True, exist_ok=True)
+    log_dir(config).mkdir(parents=True, exist_ok=True)
+    ensure_runtime_dir(config.runtime_dir)
+    try:
+        tcp = _admin_tcp(config, log)
+    except (AdminKeyError, OSError) as exc:
+        print(f"planaria serve: {exc}", file=sys.stderr)
+        return 2
+
+    ctx = zmq.Context()
+    reporter = DeathReporter(ctx, frontend_addresses(config)[1])
+    supervisor = Supervisor(config, PopenSpawner(), time.monotonic, notifier=notifier,
+                            report_dead=reporter)
+    ep_parts = None
+    if config.parallel == "ep":
+        try:
+            ep_parts = _start_ep(config, supervisor, log)
+        except Exception as exc:  # etcd would not start, or the model is not MoE
+            print(f"planaria serve: cannot start expert parallelism: {exc}", file=sys.stderr)
+            reporter.close()
+            ctx.term()
+            return EXIT_FAILURE
+    try:
+        control = ControlServer(config.runtime_dir, command_handler(supervisor, admin_modules()),
+                                **tcp)
+    except (DaemonAlreadyRunningError, zmq.ZMQError) as exc:
+        print(f"planaria serve: {exc}" if isinstance(exc, DaemonAlreadyRunningError) else
+              f"planaria serve: cannot bind the admin socket --admin-tcp {config.admin_tcp}: {exc}",
+              file=sys.stderr)
+        if ep_parts is not None:
+            _stop_ep(ep_parts)
+        reporter.close()
+        ctx.term()
+        return EXIT_FAILURE
+    if control.tcp_endpoint:
+        log.info("admin socket on TCP (CurveZMQ)", endpoint=control.tcp_endpoint)
+    loop = SupervisorLoop(supervisor, control, heartbeat_address(config),
+                          reload_config=lambda: config_mod.reload(supervisor.config, cli_flags),
+                          watchdog=notifier.watchdog, watchdog_interval_s=interval_s, ctx=ctx)
+    loop.install_signal_handlers()
+    log.info("starting", model=config.model, engines=config.num_engines, http=config.http,
+             state_dir=config.state_dir, runtime_dir=config.runtime_dir,
+             watchdog_interval_s=interval_s)
+    code = EXIT_FAILURE
+    try:
+        code = loop.run()
+    except Exception:
+        log.exception("supervisor loop failed; killing children")
+        supervisor.kill_all()
+        for child in supervisor.live_children():
+            try:
+                child.popen.wait(10)
+            except Exception:  # noqa: BLE001 - best effort on the way out
+                pass
+    finally:
+        loop.close()
+        control.close()
+        if ep_parts is not None:
+            _stop_ep(ep_parts)
+        reporter.close()
+        ctx.term()
+        notifier.close()
+    log.info("stopped", exit_code=code)
+    return code
+
+
+def _admin_tcp(config, log) -> dict:
+    """ControlServer's TCP arguments for --admin-tcp (none without it). The server key
+    pair is made on first use; at least one authorized client key must exist."""
+    from planaria.daemon.admin_keys import authorized_keys, server_keypair
+
+    if not config.admin_tcp:
+        return {}
+    keys_dir = Path(config.admin_keys_dir or Path(config.state_dir) / "admin-keys")
+    _public, secret, public_file = server_keypair(keys_dir)
+    clients = authorized_keys(keys_dir)
+    log.info("admin keys", server_key=str(public_file), authorized=str(clients.directory),
+             num_authorized=len(clients.keys()))
+    return {"tcp": config.admin_tcp, "curve_secret_key": secret, "curve_client_keys": clients}
+
+
+def _start_ep(config, supervisor, log):
+    """Embedded etcd (unless --etcd-endpoints), this node's lease, record, election and leader
+    controller; engines are this supervisor's children, started as EP ranks, as many as the
+    leader's placement gives this node (its --engines until there is one)."""
+    from planaria.daemon.ep_supervisor import EPSupervisor
+    from planaria.daemon.launch import node_id
+    from planaria.elastic.cluster import EPNode
+    from planaria.elastic.etcd_server import EmbeddedEtcd, free_port, url_host
+    from planaria.engine.models.loader import load_hf_config, spec_from_config
+
+    if not spec_from_config(load_hf_config(config.model)).is_moe:
+        raise ValueError(f"--parallel ep needs a mixture-of-experts model; {config.model} is dense")
+    etcd = None
+    endpoints = config.etcd_endpoints
+    if not endpoints:
+        host, port = config.etcd_listen_address()
+        etcd = EmbeddedEtcd(Path(config.state_dir) / "etcd", client_port=port, host=host)
+        etcd.start()
+        endpoints = etcd.endpoint
+        log.info("embedded etcd started", endpoint=endpoints, pid=etcd.pid)
+    security = config.etcd_security()
+    supervisor.launcher.etcd_endpoints = endpoints
+    supervisor.launcher.etcd_env = security.to_env()  # engines: paths and user via env, never argv
+    host = config.advertise_host or "127.0.0.1"
+    rendezvous = config.rendezvous or f"{url_host(host)}:{free_port(host)}"
+    addresses = {"http": config.http, **({"etcd": endpoints} if etcd is not None else {})}
+    node = EPNode(node_id(config), config.cluster, endpoints.split(","), model_dir=config.model,
+                  launcher=None, initial_engines=config.num_engines, rendezvous=rendezvous,
+                  security=security, host=host, addresses=addresses, place_engines=True,
+                  capacity={"engines": config.num_engines, "max_engines": config.max_engines})
+    try:
+        node.start()
+    except Exception:
+        if etcd is not None:
+            etcd.stop()
+        raise
+    supervisor.ep = EPSupervisor(node, supervisor.log)
+    log.info("expert parallelism on", cluster=config.cluster, node=node.node_id, host=host,
+             rendezvous=rendezvous, etcd=endpoints)
+    return node, etcd
+
+
+def _stop_ep(parts) -> None:
+    node, etcd = parts
+    try:
+        node.stop()
+    finally:
+        if etcd is not None:
+            etcd.stop()

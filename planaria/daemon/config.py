@@ -1,0 +1,377 @@
+"""``ServeConfig``: what `planaria serve` runs, from its flags and an env file.
+
+Sources, later wins:
+
+- at start: built-in defaults <- the env file's settings <- the command line's flags;
+- on SIGHUP (reload): the running config's flags <- the env file's settings, read again
+  (so an edit of the file wins over the flags the unit passed at start).
+
+The env file (``--env-file``, systemd ``EnvironmentFile=`` syntax: ``KEY=value`` lines,
+``#`` comments, optional quotes; a missing file sets nothing) is where the unit's options live: ``PLANARIA_ARGS``
+holds `planaria serve` flags (split into words and unquoted, as systemd does with the
+unit's unbraced ``$PLANARIA_ARGS``: so JSON goes in a file, ``--engine-config-json
+@/etc/planaria/engine.json``), ``PLANARIA_LOG_LEVEL`` the log level. Only the settings in
+``LIVE_FIELDS`` apply to a running daemon; a changed value of any other field is
+reported as needing a restart and otherwise ignored.
+
+Defaults: state dir ``$STATE_DIRECTORY`` or ``./.state``; runtime dir
+``$RUNTIME_DIRECTORY`` or ``<state dir>/run``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from planaria.daemon.errors import DaemonError
+
+
+class ConfigError(DaemonError):
+    """A flag, env file or value that cannot make a ServeConfig."""
+
+
+class ServeConfig(msgspec.Struct, kw_only=True, frozen=True):
+    model: str
+    num_engines: int = 1
+    max_engines: int = 8
+    http: str = "127.0.0.1:8000"
+    state_dir: str = ".state"
+    runtime_dir: str = ""
+    env_file: str | None = None
+    engine_config: dict[str, Any] = {}
+    hang_timeout_s: float = 30.0
+    heartbeat_interval_s: float = 0.5
+    stop_timeout_s: float = 30.0  # SIGTERM, then this long to drain, then SIGKILL
+    handshake_timeout_s: float = 120.0
+    restart_backoff_s: float = 1.0
+    restart_backoff_max_s: float = 60.0
+    flap_window_s: float = 60.0
+    flap_max_exits: int = 5
+    flap_hold_s: float = 300.0
+    retry_limit: int | None = None
+    stable_s: float = 10.0
+    log_level: str = "INFO"
+    # Expert parallelism (elastic/): "replica" = independent engines; "ep" = one EP group
+    # whose membership lives in etcd (embedded under the state dir unless endpoints given).
+    parallel: str = "replica"
+    etcd_endpoints: str = ""  # comma-separated host:port; empty: start an embedded etcd
+    cluster: str = "default"
+    node_id: str = ""  # default: the host name
+    rendezvous: str = ""  # host:port of this node's TCPStore for EP groups; empty: a free port on the advertise host
+    # Multi-host EP: this node's routable address (node record, rendezvous store, gloo's
+    # binding); empty: 127.0.0.1, a one-host cluster. The embedded etcd listens on
+    # etcd_listen (HOST or HOST:PORT) so that other nodes can join it with --etcd-endpoints.
+    advertise_host: str = ""
+    etcd_listen: str = ""
+    # EP: warm standby engine processes kept per node (daemon/standby_pool.py); 0: none.
+    num_standby: int = 1
+    # A secured etcd cluster (--etcd-endpoints): TLS files, user and password file. The
+    # engines get them through their environment (paths and user name only).
+    etcd_ca_cert: str = ""
+    etcd_cert: str = ""
+    etcd_key: str = ""
+    etcd_user: str = ""
+    etcd_password_file: str = ""
+    # Further ZMQ clients every engine handshakes with besides the frontend (comma-separated
+    # ROUTER addresses): a second frontend, or a tool making utility calls (a chaos test's
+    # fault injection). An engine waits for each of them at start.
+    extra_client_addresses: str = ""
+    # Remote admin: a TCP control socket with CurveZMQ (daemon/admin_keys.py).
+    admin_tcp: str = ""  # HOST:PORT; empty: only the ipc control socket
+    admin_keys_dir: str = ""  # default STATE_DIR/admin-keys
+
+    def validate(self) -> None:
+        if self.parallel not in ("replica", "ep"):
+            raise ConfigError(f"--parallel must be 'replica' or 'ep', got {self.parallel!r}")
+        if self.num_engines < 1:
+            raise ConfigError(f"--engines must be >= 1, got {self.num_engines}")
+        if self.max_engines < self.num_engines:
+            raise ConfigError(f"--max-engines ({self.max_engines}) must be >= --engines "
+                              f"({self.num_engines})")
+        host, sep, port = self.http.rpartition(":")
+        if not sep or not port.isdigit():
+            raise ConfigError(f"--http wants HOST:PORT, got {self.http!r}")
+        for name in ("hang_timeout_s", "heartbeat_interval_s", "stop_timeout_s",
+                     "handshake_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
+        for address in self.extra_client_list():
+            if not address.startswith(("ipc://", "tcp://")):
+                raise ConfigError(f"--extra-client-addresses: {address!r} is not an "
+                                  "ipc:// or tcp:// address")
+        if self.admin_tcp:
+            host, sep, port = self.admin_tcp.rpartition(":")
+            if not sep or not host or not port.isdigit():
+                raise ConfigError(f"--admin-tcp wants HOST:PORT, got {self.admin_tcp!r}")
+        if self.heartbeat_interval_s * 2 > self.hang_timeout_s:
+            raise ConfigError("--hang-timeout-s must be at least twice the heartbeat interval")
+        if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
+            raise ConfigError(f"unknown log level {self.log_level!r}")
+        self.restart_policy()  # RestartPolicy validates its own numbers
+        if self.num_standby < 0:
+            raise ConfigError(f"--standby must be >= 0, got {self.num_standby}")
+        if self.advertise_host:
+            _ip(self.advertise_host, "--advertise-host")
+        if self.etcd_listen:
+            if self.etcd_endpoints:
+                raise ConfigError("--etcd-listen is for the embedded etcd; with --etcd-endpoints "
+                                  "there is none (give one or the other)")
+            self.etcd_listen_address()
+        security = self.etcd_security()
+        if (security.tls or security.auth) and not self.etcd_endpoints:
+            raise ConfigError("--etcd-ca-cert/--etcd-cert/--etcd-key/--etcd-user/--etcd-password-file "
+                              "are for an etcd cluster given with --etcd-endpoints (the embedded one "
+                              "has no TLS or auth)")
+        if security.problems():
+            raise ConfigError("; ".join(security.problems()))
+
+    def etcd_listen_address(self) -> tuple[str, int | None]:
+        """(host, port or None) of --etcd-listen HOST[:PORT] (default: loopback, a free port)."""
+        if not self.etcd_listen:
+            return "127.0.0.1", None
+        text = self.etcd_listen
+        if text.startswith("["):  # [v6]:port
+            host, _, rest = text[1:].partition("]")
+            port = rest[1:] if rest.startswith(":") else ""
+        elif text.count(":") == 1:
+            host, _, port = text.partition(":")
+        else:
+            host, port = text, ""
+        _ip(host, "--etcd-listen")
+        if port and not (port.isdigit() and 0 < int(port) < 65536):
+            raise ConfigError(f"--etcd-listen wants HOST or HOST:PORT, got {text!r}")
+        return host, int(port) if port else None
+
+    def etcd_security(self):
+        from planaria.elastic.etcd_security import EtcdSecurity
+
+        return EtcdSecurity(ca_cert=self.etcd_ca_cert, cert=self.etcd_cert, key=self.etcd_key,
+                            user=self.etcd_user, password_file=self.etcd_password_file)
+
+    def extra_client_list(self) -> list[str]:
+        return [a.strip() for a in self.extra_client_addresses.split(",") if a.strip()]
+
+    def restart_policy(self):
+        from planaria.daemon.restart_policy import RestartPolicy
+        from planaria.engine.proc import EXIT_CONFIG_MISMATCH
+
+        # An engine refused for its configuration is refused again as it is: no restart loop.
+        fatal = {EXIT_CONFIG_MISMATCH: "configuration error: a frontend refused the engine "
+                                       "(config hash or protocol version mismatch, see its log)"}
+        try:
+            return RestartPolicy(self.restart_backoff_s, self.restart_backoff_max_s, 2.0,
+                                 self.flap_window_s, self.flap_max_exits, self.flap_hold_s,
+                                 self.retry_limit, stable_s=self.stable_s, fatal_exit_codes=fatal)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from exc
+
+
+def _ip(text: str, flag: str) -> str:
+    import ipaddress
+
+    try:
+        return str(ipaddress.ip_address(text))
+    except ValueError:
+        raise ConfigError(f"{flag} wants an IP address of this host, got {text!r}") from None
+
+
+#: fields a reload applies to the running daemon; the rest need a restart
+LIVE_FIELDS = frozenset({"log_level", "hang_timeout_s", "stop_timeout_s", "max_engines",
+                         "restart_backoff_s", "restart_backoff_max_s", "flap_window_s",
+                         "flap_max_exits", "flap_hold_s", "retry_limit", "stable_s"})
+
+# (flag, field, type, help); every flag's default is "not given" (argparse.SUPPRESS), so
+# that the sources can be layered; the defaults shown come from ServeConfig.
+_FLAGS: list[tuple[str, str, Any, str]] = [
+    ("--model", "model", str, "Hugging Face model directory (required)"),
+    ("--engines", "num_engines", int, "engine-core processes to run (default 1)"),
+    ("--max-engines", "max_engines", int, "capacity: most engines `scale` may reach (default 8)"),
+    ("--http", "http", str, "HOST:PORT of the OpenAI HTTP server (default 127.0.0.1:8000)"),
+    ("--state-dir", "state_dir", str, "logs and state (default $STATE_DIRECTORY or ./.state)"),
+    ("--runtime-dir", "runtime_dir", str,
+     "sockets, mode 0700 (default $RUNTIME_DIRECTORY or STATE_DIR/run)"),
+    ("--env-file", "env_file", str,
+     "env file with PLANARIA_ARGS / PLANARIA_LOG_LEVEL, re-read on SIGHUP"),
+    ("--engine-config-json", "engine_config", "json",
+     "EngineConfig fields as JSON, or @FILE holding it, e.g. '{\"max_model_len\": 256}'"),
+    ("--hang-timeout-s", "hang_timeout_s", float,
+     "kill an engine with work and no step progress this long (default 30)"),
+    ("--heartbeat-interval-s", "heartbeat_interval_s", float, "engine heartbeat period (default 0.5)"),
+    ("--stop-timeout-s", "stop_timeout_s", float,
+     "drain time after SIGTERM before SIGKILL, for stop/restart/drain (default 30)"),
+    ("--handshake-timeout-s", "handshake_timeout_s", float,
+     "an engine that cannot reach the frontend this long exits (default 120)"),
+    ("--restart-backoff-s", "restart_backoff_s", float, "first restart delay, doubling (default 1)"),
+    ("--restart-backoff-max-s", "restart_backoff_max_s", float, "longest restart delay (default 60)"),
+    ("--flap-window-s", "flap_window_s", float, "flap window (default 60)"),
+    ("--flap-max-exits", "flap_max_exits", int, "exits in the window that mean flapping (default 5)"),
+    ("--flap-hold-s", "flap_hold_s", float, "hold-off after flapping (default 300)"),
+    ("--retry-limit", "retry_limit", int,
+     "give up a child after this many failures in a row (default: never)"),
+    ("--stable-s", "stable_s", float, "uptime after which a child's backoff resets (default 10)"),
+    ("--log-level", "log_level", str, "DEBUG, INFO, WARNING or ERROR (default INFO)"),
+    ("--parallel", "parallel", str,
+     "replica (independent engines, default) or ep (experts sharded across the engines)"),
+    ("--etcd-endpoints", "etcd_endpoints", str,
+     "ep: etcd cluster host:port[,...] (default: an embedded etcd under the state dir)"),
+    ("--cluster", "cluster", str, "ep: cluster name, the etcd key prefix /planaria/NAME/ (default: default)"),
+    ("--node-id", "node_id", str, "ep: this node's id in the cluster (default: the host name)"),
+    ("--rendezvous", "rendezvous", str,
+     "ep: HOST:PORT of this node's process-group store (default: a free port on the advertise host)"),
+    ("--advertise-host", "advertise_host", str,
+     "ep: this node's routable IP for the other nodes: its record, its rendezvous store and the "
+     "address gloo binds (default 127.0.0.1: a one-host cluster)"),
+    ("--standby", "num_standby", int,
+     "ep: warm standby engine processes to keep (imports done, no model state), taken by a "
+     "scale-up or a restart instead of a cold start (default 1; 0: none)"),
+    ("--etcd-listen", "etcd_listen", str,
+     "ep: IP[:PORT] the embedded etcd serves clients on, for the other nodes' --etcd-endpoints "
+     "(default 127.0.0.1 and a free port; no TLS or auth: use a private network)"),
+    ("--etcd-ca-cert", "etcd_ca_cert", str, "ep: PEM file of the CA of etcd's TLS certificate (TLS on)"),
+    ("--etcd-cert", "etcd_cert", str, "ep: client certificate for etcd (with --etcd-key; TLS on)"),
+    ("--etcd-key", "etcd_key", str, "ep: the client certificate's key file"),
+    ("--etcd-user", "etcd_user", str, "ep: etcd user (auth enabled; with --etcd-password-file)"),
+    ("--etcd-password-file", "etcd_password_file", str,
+     "ep: file holding the etcd user's password (never given on the command line)"),
+    ("--extra-client-addresses", "extra_client_addresses", str,
+     "ADDR[,ADDR]: ZMQ clients (ROUTER addresses) every engine also handshakes with, e.g. "
+     "a second frontend or a tool making utility calls; an engine waits for each at start"),
+    ("--admin-tcp", "admin_tcp", str,
+     "HOST:PORT: also serve the admin socket on TCP with CurveZMQ (keys: --admin-keys-dir)"),
+    ("--admin-keys-dir", "admin_keys_dir", str,
+     "server key pair (made on first start) and authorized/ client public keys for "
+     "--admin-tcp (default STATE_DIR/admin-keys)"),
+]
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    for flag, field, kind, help_ in _FLAGS:
+        parser.add_argument(flag, dest=field, type=str if kind == "json" else kind,
+                            default=argparse.SUPPRESS, help=help_)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="planaria serve", add_help=False,
+                                     exit_on_error=False)
+    add_serve_arguments(parser)
+    return parser
+
+
+def given_flags(namespace: argparse.Namespace) -> dict[str, Any]:
+    """The ServeConfig fields a parsed command line set explicitly."""
+    fields = {field for _flag, field, _kind, _help in _FLAGS}
+    return {k: v for k, v in vars(namespace).items() if k in fields}
+
+
+def parse_env_file(text: str) -> dict[str, str]:
+    """systemd ``EnvironmentFile=`` lines: ``KEY=value``; quotes and ``#`` comments."""
+    env: dict[str, str] = {}
+    for num, raw in enumerate(text.splitlines(), 1):
+        line = raw.strip()
+        if not line or line.startswith(("#", ";")):
+            continue
+        key, sep, value = line.partition("=")
+        key = key.strip()
+        if not sep or not key.isidentifier():
+            raise ConfigError(f"env file line {num}: not KEY=value: {raw!r}")
+        value = value.strip()
+        if len(value) >= 2 and value[0] == value[-1] and value[0] in "\"'":
+            value = value[1:-1]
+        env[key] = value
+    return env
+
+
+def env_file_flags(path: str | os.PathLike) -> dict[str, Any]:
+    """The fields an env file sets (its PLANARIA_ARGS flags and PLANARIA_LOG_LEVEL)."""
+    try:
+        env = parse_env_file(Path(path).read_text())
+    except FileNotFoundError:
+        return {}  # like systemd's EnvironmentFile=-PATH: a missing file sets nothing
+    except OSError as exc:
+        raise ConfigError(f"cannot read env file {path}: {exc}") from exc
+    flags: dict[str, Any] = {}
+    if env.get("PLANARIA_ARGS"):
+        try:
+            # split and unquoted as the unit's unbraced $PLANARIA_ARGS is (shell-like words)
+            namespace, extra = _parser().parse_known_args(shlex.split(env["PLANARIA_ARGS"]))
+        except (argparse.ArgumentError, ValueError) as exc:
+            raise ConfigError(f"{path}: PLANARIA_ARGS: {exc}") from exc
+        if extra:
+            raise ConfigError(f"{path}: PLANARIA_ARGS: unknown arguments {extra}")
+        flags.update(given_flags(namespace))
+    if env.get("PLANARIA_LOG_LEVEL"):
+        flags["log_level"] = env["PLANARIA_LOG_LEVEL"]
+    flags.pop("env_file", None)  # the file does not move itself
+    return flags
+
+
+def build(flags: Mapping[str, Any], environ: Mapping[str, str] | None = None) -> ServeConfig:
+    """A validated ServeConfig from explicit field values, filling the defaults."""
+    env = os.environ if environ is None else environ
+    values = dict(flags)
+    if "model" not in values:
+        raise ConfigError("--model is required (on the command line or in PLANARIA_ARGS)")
+    if isinstance(values.get("engine_config"), str):
+        text = values["engine_config"]
+        if text.startswith("@"):
+            try:
+                text = Path(text[1:]).read_text()
+            except OSError as exc:
+                raise ConfigError(f"--engine-config-json {text}: {exc}") from exc
+        try:
+            values["engine_config"] = msgspec.json.decode(text)
+        except msgspec.DecodeError as exc:
+            raise ConfigError(f"--engine-config-json is not JSON: {exc}") from exc
+        if not isinstance(values["engine_config"], dict):
+            raise ConfigError("--engine-config-json must be a JSON object")
+    state = values.get("state_dir") or (env.get("STATE_DIRECTORY", "").split(":")[0] or ".state")
+    values["state_dir"] = str(Path(state).absolute())
+    runtime = values.get("runtime_dir") or env.get("RUNTIME_DIRECTORY", "").split(":")[0] \
+        or str(Path(values["state_dir"]) / "run")
+    values["runtime_dir"] = str(Path(runtime).absolute())
+    values["model"] = str(Path(values["model"]).absolute())
+    if values.get("env_file"):
+        values["env_file"] = str(Path(values["env_file"]).absolute())
+    for name in ("etcd_ca_cert", "etcd_cert", "etcd_key", "etcd_password_file"):
+        if values.get(name):  # the engines run in the state dir: paths must not be relative
+            values[name] = str(Path(values[name]).absolute())
+    values["log_level"] = str(values.get("log_level", "INFO")).upper()
+    try:
+        config = msgspec.convert(values, ServeConfig)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(f"bad setting: {exc}") from exc
+    config.validate()
+    return config
+
+
+def load(cli_flags: Mapping[str, Any], environ: Mapping[str, str] | None = None) -> ServeConfig:
+    """At start: defaults <- env file <- command line."""
+    file_flags = env_file_flags(cli_flags["env_file"]) if cli_flags.get("env_file") else {}
+    return build({**file_flags, **cli_flags}, environ)
+
+
+def reload(current: ServeConfig, cli_flags: Mapping[str, Any],
+           environ: Mapping[str, str] | None = None) -> ServeConfig:
+    """On SIGHUP: the start flags <- the env file read again (no file: unchanged)."""
+    if not current.env_file:
+        return current
+    return build({**cli_flags, **env_file_flags(current.env_file)}, environ)
+
+
+def live_changes(old: ServeConfig, new: ServeConfig) -> tuple[dict[str, Any], list[str]]:
+    """(fields that apply live with their new values, names of changed fields that need
+    a restart)."""
+    live, restart = {}, []
+    for field in old.__struct_fields__:
+        if getattr(old, field) != getattr(new, field):
+            if field in LIVE_FIELDS:
+                live[field] = getattr(new, field)
+            else:
+                restart.append(field)
+    return live, restart

@@ -1,0 +1,371 @@
+"""The supervisor's control socket: admin requests in, one envelope back.
+
+Server: a ZMQ ROUTER bound on ``ipc://<runtime_dir>/control.sock`` (the runtime
+directory is created with mode 0700, the socket file is chmod 0600, and a ``flock`` on
+``control.lock`` keeps a second supervisor from stealing the socket), and optionally on
+TCP with CurveZMQ. Frames are ``[identity, b"", msgpack(AdminRequest)]`` in and
+``[identity, b"", msgpack(Ok | Err)]`` out, so REQ and DEALER clients both work. The
+handler maps ``AdminRequest -> Ok | Err``; whatever it raises becomes an ``Err`` through
+``daemon.errors.to_reply``. Two ways to run it:
+
+- from the supervisor's own loop: ``server.poll_once(timeout_ms)`` (or put
+  ``server.sockets`` in the loop's ``zmq.Poller`` and call ``poll_once(0)`` when ready);
+  the handler then runs on the supervisor's thread;
+- in a thread of its own: ``server.start_thread()`` ... ``server.close()``; the handler
+  then runs on that thread and must be thread-safe with respect to the supervisor.
+
+Client: ``ControlClient(runtime_dir, timeout_s).call("status", engine=3)`` returns the
+reply's data, raises ``AdminError`` (a subclass per code) for an ``Err``, and
+``DaemonNotRunningError`` when there is no socket or no answer within the timeout.
+
+TCP: ``ControlServer(..., tcp="host:port", curve_secret_key=..., curve_client_keys=...)``
+(keys z85 as made by ``zmq.curve_keypair()``; port 0 picks a free one, see
+``tcp_endpoint``). CURVE encrypts and authenticates the server; ``curve_client_keys``,
+when given (public keys, or a provider with ``callback(domain, key)`` such as
+``daemon.admin_keys.AuthorizedKeys``), also restricts clients to those public keys
+(ZAP), which an admin socket should do: the server's public key is not a secret. A TCP
+client that gets no answer says why, from its socket's monitor events: the daemon
+refused its key (``ControlAuthError``), the CURVE handshake failed (a wrong server
+key), or nothing accepted the connection (``DaemonNotRunningError``).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import stat
+import threading
+import uuid
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+import msgspec
+import zmq
+
+from planaria.daemon.envelope import AdminRequest, Err, ErrorCode, Ok, decode_reply, decode_request, encode
+from planaria.daemon.errors import (ControlAuthError, ControlProtocolError, DaemonAlreadyRunningError,
+                           DaemonNotRunningError, from_reply, to_reply)
+
+_log = logging.getLogger(__name__)
+
+SOCKET_NAME = "control.sock"
+LOCK_NAME = "control.lock"
+_MAX_UNIX_PATH_BYTES = 107  # sun_path is 108 bytes on Linux, NUL included
+
+Handler = Callable[[AdminRequest], "Ok | Err"]
+
+
+def control_socket_path(runtime_dir: str | os.PathLike) -> Path:
+    return Path(runtime_dir) / SOCKET_NAME
+
+
+def _ipc_endpoint(path: Path) -> str:
+    if len(os.fsencode(path)) > _MAX_UNIX_PATH_BYTES:
+        raise ValueError(f"control socket path is too long for AF_UNIX "
+                         f"({len(os.fsencode(path))} > {_MAX_UNIX_PATH_BYTES} bytes): {path}")
+    return f"ipc://{path}"
+
+
+def _tcp_endpoint(tcp: str) -> str:
+    host, sep, port = tcp.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ValueError(f"tcp must be 'host:port', got {tcp!r}")
+    return f"tcp://{host}:{'*' if int(port) == 0 else port}"
+
+
+def ensure_runtime_dir(runtime_dir: str | os.PathLike) -> Path:
+    """Create ``runtime_dir`` with mode 0700 if missing. An existing directory is left
+    as it is (it may be systemd's RuntimeDirectory=), with a warning when others can
+    enter it; the socket file itself is 0600 either way."""
+    path = Path(runtime_dir)
+    if not path.exists():
+        path.mkdir(mode=0o700, parents=True)
+        os.chmod(path, 0o700)  # mkdir's mode is filtered by the umask
+    elif not path.is_dir():
+        raise NotADirectoryError(f"runtime dir is not a directory: {path}")
+    mode = stat.S_IMODE(path.stat().st_mode)
+    if mode & 0o077:
+        _log.warning("runtime dir %s has mode %o; 0700 is expected", path, mode)
+    return path
+
+
+class _KeySet:
+    """ZAP credentials provider: allow exactly these z85 client public keys."""
+
+    def __init__(self, keys: Iterable[bytes | str]) -> None:
+        self.keys = {k.encode() if isinstance(k, str) else bytes(k) for k in keys}
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        return key in self.keys
+
+
+class ControlServer:
+    """Binds the control socket(s) on construction; ``close()`` releases everything."""
+
+    def __init__(self, runtime_dir: str | os.PathLike, handler: Handler, *,
+                 tcp: str | None = None, curve_secret_key: bytes | None = None,
+                 curve_client_keys: Iterable[bytes | str] | None = None) -> None:
+        if tcp is not None and curve_secret_key is None:
+            raise ValueError("a TCP control socket needs curve_secret_key")
+        if curve_client_keys is not None and tcp is None:
+            raise ValueError("curve_client_keys only apply to the TCP control socket")
+        self.handler = handler
+        self.runtime_dir = ensure_runtime_dir(runtime_dir)
+        self.socket_path = control_socket_path(self.runtime_dir)
+        self.tcp_endpoint: str | None = None
+        self._lock_file = self._take_lock()
+        self._context = zmq.Context()
+        self._auth = None
+        self._sockets: list[zmq.Socket] = []
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        try:
+            self._sockets.append(self._bind_ipc())
+            if tcp is not None:
+                self._sockets.append(self._bind_tcp(tcp, curve_secret_key, curve_client_keys))
+        except BaseException:
+            self._release()
+            raise
+        self._poller = zmq.Poller()
+        for sock in self._sockets:
+            self._poller.register(sock, zmq.POLLIN)
+
+    # -- setup ----------------------------------------------------------------------------
+
+    def _take_lock(self):
+        lock_path = self.runtime_dir / LOCK_NAME
+        lock_file = open(lock_path, "a+")  # noqa: SIM115 - held for the server's lifetime
+        try:
+            fcntl.flock(lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError as exc:
+            lock_file.close()
+            raise DaemonAlreadyRunningError(
+                f"another planaria daemon holds {lock_path}") from exc
+        os.chmod(lock_path, 0o600)
+        return lock_file
+
+    def _bind_ipc(self) -> zmq.Socket:
+        endpoint = _ipc_endpoint(self.socket_path)
+        sock = self._context.socket(zmq.ROUTER)
+        try:
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.bind(endpoint)
+            os.chmod(self.socket_path, 0o600)
+        except BaseException:
+            sock.close(linger=0)
+            raise
+        return sock
+
+    def _bind_tcp(self, tcp: str, secret_key: bytes,
+                  client_keys: Iterable[bytes | str] | None) -> zmq.Socket:
+        endpoint = _tcp_endpoint(tcp)
+        if client_keys is not None:
+            from zmq.auth.thread import ThreadAuthenticator
+
+            self._auth = ThreadAuthenticator(self._context)
+            self._auth.start()
+            provider = client_keys if hasattr(client_keys, "callback") else _KeySet(client_keys)
+            self._auth.configure_curve_callback("*", provider)
+        sock = self._context.socket(zmq.ROUTER)
+        try:
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.curve_server = True
+            sock.curve_secretkey = secret_key
+            sock.bind(endpoint)
+            self.tcp_endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        except BaseException:
+            sock.close(linger=0)
+            raise
+        return sock
+
+    # -- serving --------------------------------------------------------------------------
+
+    @property
+    def sockets(self) -> list[zmq.Socket]:
+        """The bound sockets, for a caller's own ``zmq.Poller`` (POLLIN)."""
+        return list(self._sockets)
+
+    def poll_once(self, timeout_ms: int = 0) -> int:
+        """Wait up to ``timeout_ms`` for requests, answer all that are ready; returns how
+        many were answered. Not to be mixed with thread mode."""
+        if self._thread is not None and threading.current_thread() is not self._thread:
+            raise RuntimeError("poll_once() while the server runs in its own thread")
+        num_answered = 0
+        for sock, _event in self._poller.poll(timeout_ms):
+            while True:
+                try:
+                    frames = sock.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                if self._answer(sock, frames):
+                    num_answered += 1
+        return num_answered
+
+    def start_thread(self, poll_interval_ms: int = 100) -> threading.Thread:
+        """Serve from a daemon thread until ``close()``."""
+        if self._thread is not None:
+            raise RuntimeError("the control server thread is already running")
+
+        def serve() -> None:
+            while not self._stop.is_set():
+                self.poll_once(poll_interval_ms)
+
+        self._thread = threading.Thread(target=serve, name="planaria-control", daemon=True)
+        self._thread.start()
+        return self._thread
+
+    def _answer(self, sock: zmq.Socket, frames: list[bytes]) -> bool:
+        if len(frames) != 3 or frames[1] != b"":
+            _log.warning("dropping control message with %d frames (expected REQ/DEALER "
+                         "framing)", len(frames))
+            return False
+        identity, _, payload = frames
+        sock.send_multipart([identity, b"", encode(self.dispatch(payload))])
+        return True
+
+    def dispatch(self, payload: bytes) -> Ok | Err:
+        """Decode, run the handler, map errors; never raises for a request's fault."""
+        try:
+            request = decode_request(payload)
+        except msgspec.DecodeError as exc:
+            return Err("", ErrorCode.BAD_ARGUMENT, f"malformed admin request: {exc}")
+        try:
+            reply = self.handler(request)
+            if not isinstance(reply, (Ok, Err)):
+                raise TypeError(f"handler returned {type(reply).__name__}, not Ok or Err")
+            if reply.id != request.id:
+                reply = msgspec.structs.replace(reply, id=request.id)
+            encode(reply)  # fail here, as INTERNAL, if data cannot be encoded
+        except Exception as exc:  # noqa: BLE001 - every failure becomes an Err reply
+            err = to_reply(request.id, exc)
+            if err.code is ErrorCode.INTERNAL:
+                _log.exception("admin command %r failed", request.command)
+            return err
+        return reply
+
+    # -- shutdown -------------------------------------------------------------------------
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join()
+        self._release()
+
+    def _release(self) -> None:
+        if self._context.closed:
+            return
+        for sock in self._sockets:
+            sock.close(linger=0)
+        self._sockets = []
+        if self._auth is not None:
+            self._auth.stop()
+            self._auth = None
+        self._context.term()
+        if self._lock_file is not None:
+            try:
+                self.socket_path.unlink(missing_ok=True)
+            finally:
+                self._lock_file.close()
+                self._lock_file = None
+
+    def __enter__(self) -> "ControlServer":
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+class ControlClient:
+    """One request per ``call``, each on a fresh DEALER socket (no REQ state to wedge)."""
+
+    def __init__(self, runtime_dir: str | os.PathLike | None = None, timeout_s: float = 5.0,
+                 *, tcp: str | None = None, server_public_key: bytes | None = None,
+                 client_keypair: tuple[bytes, bytes] | None = None) -> None:
+        if (runtime_dir is None) == (tcp is None):
+            raise ValueError("give exactly one of runtime_dir and tcp")
+        if tcp is not None and server_public_key is None:
+            raise ValueError("a TCP control client needs server_public_key")
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        self.timeout_s = float(timeout_s)
+        self.socket_path = control_socket_path(runtime_dir) if runtime_dir is not None else None
+        self._endpoint = (_ipc_endpoint(self.socket_path) if self.socket_path is not None
+                          else _tcp_endpoint(tcp))
+        self._server_public_key = server_public_key
+        self._client_keypair = client_keypair
+
+    @property
+    def where(self) -> str:
+        return str(self.socket_path) if self.socket_path is not None else self._endpoint
+
+    def call(self, command: str, /, **args: Any) -> Any:
+        """Run ``command`` on the daemon and return the reply's data."""
+        if self.socket_path is not None and not self.socket_path.exists():
+            raise DaemonNotRunningError(
+                f"planaria daemon is not running (no control socket at {self.socket_path})")
+        request = AdminRequest(id=uuid.uuid4().hex, command=command, args=args)
+        payload = encode(request)  # raises TypeError for arguments msgpack cannot carry
+        context = zmq.Context.instance()
+        sock = context.socket(zmq.DEALER)
+        monitor = None
+        try:
+            sock.setsockopt(zmq.LINGER, 0)
+            if self._server_public_key is not None:
+                public, secret = self._client_keypair or zmq.curve_keypair()
+                sock.curve_serverkey = self._server_public_key
+                sock.curve_publickey = public
+                sock.curve_secretkey = secret
+                monitor = sock.get_monitor_socket()
+            sock.connect(self._endpoint)
+            sock.send_multipart([b"", payload])
+            reply = self._receive(sock, request.id, monitor)
+        finally:
+            if monitor is not None:
+                sock.disable_monitor()
+                monitor.close(linger=0)
+            sock.close(linger=0)
+        if isinstance(reply, Err):
+            raise from_reply(reply)
+        return reply.data
+
+    def _receive(self, sock: zmq.Socket, request_id: str,
+                 monitor: zmq.Socket | None = None) -> Ok | Err:
+        if not sock.poll(int(self.timeout_s * 1000), zmq.POLLIN):
+            if monitor is not None:
+                self._explain_silence(monitor)
+            raise DaemonNotRunningError(
+                f"planaria daemon is not running (no answer on the control socket at "
+                f"{self.where} within {self.timeout_s:g}s)")
+        frames = sock.recv_multipart()
+        if len(frames) != 2 or frames[0] != b"":
+            raise ControlProtocolError(f"unexpected reply framing from {self.where}")
+        try:
+            reply = decode_reply(frames[1])
+        except msgspec.DecodeError as exc:
+            raise ControlProtocolError(f"malformed reply from {self.where}: {exc}") from exc
+        # A fresh socket per call sees only its own reply; "" answers a malformed request.
+        if reply.id not in (request_id, ""):
+            raise ControlProtocolError(f"reply {reply.id} does not answer {request_id}")
+        return reply
+
+    def _explain_silence(self, monitor: zmq.Socket) -> None:
+        """No reply over TCP+CURVE: raise what the socket's monitor events say happened."""
+        from zmq.utils.monitor import recv_monitor_message
+
+        seen = set()
+        while monitor.poll(0):
+            seen.add(recv_monitor_message(monitor)["event"])
+        if zmq.EVENT_HANDSHAKE_FAILED_AUTH in seen:
+            raise ControlAuthError(
+                f"the daemon at {self.where} refused this client's key (CurveZMQ): its "
+                f"public key (the --client-key pair's NAME.key) is not in the daemon's "
+                f"admin-keys/authorized/ directory")
+        if seen & {zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL, zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL}:
+            raise ControlAuthError(
+                f"CurveZMQ handshake with {self.where} failed: --server-key is not the "
+                f"public key of the daemon listening there (its STATE_DIR/admin-keys/server.key)")
+        if zmq.EVENT_CONNECTED not in seen:
+            raise DaemonNotRunningError(
+                f"planaria daemon is not running at {self.where} (connection not accepted "
+                f"within {self.timeout_s:g}s)")

@@ -1,0 +1,152 @@
+"""The command lines of the supervisor's children, built from a ServeConfig.
+
+    frontend:  python -m planaria.frontend.main --model M --http H:P --runtime-dir R --engines N ...
+    engine i:  python -m planaria.engine.proc --engine-index i --input-addr ipc://R/fe0-in
+                   --config-json '{"model": M, ...}' --settings-json '{"heartbeat_address": ...}'
+               (EP: python -m planaria.elastic.ep_proc ... --engine-id NODE-eI --etcd-endpoints ...)
+    standby:   python -m planaria.elastic.standby --model M --ready-file R/standby-K.ready (EP; stdin a pipe)
+
+Sockets in the runtime dir: ``fe0-in`` / ``fe0-out`` are the frontend's ROUTER / PULL
+(engine.client.ipc_addresses); ``sv-hb`` is the supervisor's heartbeat PULL. Engines
+also connect to each ``--extra-client-addresses`` ROUTER (one more ``--input-addr``). Children do
+not inherit ``NOTIFY_SOCKET`` (the supervisor builds its Notifier with
+``unset_environment=True`` before any spawn), and each child's output is appended to
+``<state dir>/logs/<name>.log``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Any, Mapping
+
+import msgspec
+
+from planaria.daemon.children import ChildSpec
+from planaria.daemon.config import ServeConfig
+
+FRONTEND_KEY = ("frontend",)
+HEARTBEAT_SOCKET = "sv-hb"
+
+
+def engine_key(engine_id: int) -> tuple[str, int]:
+    return ("engine", engine_id)
+
+
+def log_dir(config: ServeConfig) -> Path:
+    return Path(config.state_dir) / "logs"
+
+
+def standby_key(number: int) -> tuple[str, int]:
+    return ("standby", number)
+
+
+def log_path(config: ServeConfig, key) -> Path:
+    name = ("frontend" if key == FRONTEND_KEY else "standby" if key[0] == "standby"
+            else f"engine-{key[1]}")
+    return log_dir(config) / f"{name}.log"  # standbys share one (a taken one writes to its engine's)
+
+
+def heartbeat_address(config: ServeConfig) -> str:
+    return f"ipc://{Path(config.runtime_dir) / HEARTBEAT_SOCKET}"
+
+
+def frontend_addresses(config: ServeConfig) -> tuple[str, str]:
+    """The frontend's (ROUTER, PULL) addresses: engines connect to both, the supervisor
+    pushes ENGINE_CORE_DEAD to the second."""
+    from planaria.engine.client import ipc_addresses
+
+    return ipc_addresses(config.runtime_dir, 0)
+
+
+def _json(value: Any) -> str:
+    return msgspec.json.encode(value).decode()
+
+
+def node_id(config: ServeConfig) -> str:
+    import socket
+
+    return config.node_id or socket.gethostname()
+
+
+def ep_engine_id(config: ServeConfig, engine_id: int) -> str:
+    """The cluster-wide id of this node's engine ``engine_id`` (etcd engines/<id>)."""
+    return f"{node_id(config)}-e{engine_id}"
+
+
+class Launcher:
+    """Builds ChildSpecs; ``python`` and ``environ`` are injectable for tests."""
+
+    etcd_endpoints = ""  # EP: set by `serve` once the (embedded) etcd is up
+    etcd_env: dict[str, str] = {}  # EP: etcd TLS/auth settings for the engines (EtcdSecurity.to_env)
+
+    def __init__(self, config: ServeConfig, python: str = sys.executable,
+                 environ: Mapping[str, str] | None = None) -> None:
+        self.config = config
+        self.python = python
+        self.environ = dict(os.environ if environ is None else environ)
+
+    def _env(self, **extra: str) -> dict[str, str]:
+        env = {k: v for k, v in self.environ.items()
+               if k not in ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID", "LISTEN_FDS",
+                            "LISTEN_PID")}
+        env.setdefault("HF_HUB_OFFLINE", "1")
+        # Children import the very tree this supervisor runs from (an editable install
+        # may not map the package the same way).
+        root = str(Path(__file__).resolve().parents[2])
+        paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p != root]
+        env["PYTHONPATH"] = os.pathsep.join([root, *paths])
+        env.update(extra)
+        return env
+
+    def engine_config(self, extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        return {"model": self.config.model, **self.config.engine_config, **(extra or {})}
+
+    def drain_timeout_s(self) -> float:
+        """The child's own drain budget: a little under the supervisor's SIGKILL deadline."""
+        return max(0.0, self.config.stop_timeout_s * 0.8)
+
+    def engine(self, engine_id: int, extra_config: Mapping[str, Any] | None = None) -> ChildSpec:
+        cfg = self.config
+        settings = {"handshake_timeout_s": cfg.handshake_timeout_s,
+                    "drain_timeout_s": self.drain_timeout_s(),
+                    "heartbeat_address": heartbeat_address(cfg),
+                    "heartbeat_interval_s": cfg.heartbeat_interval_s,
+                    "log_level": cfg.log_level}
+        argv = [self.python, "-m", "planaria.engine.proc", "--engine-index", str(engine_id),
+                "--input-addr", frontend_addresses(cfg)[0],
+                *(arg for addr in cfg.extra_client_list() for arg in ("--input-addr", addr)),
+                "--config-json", _json(self.engine_config(extra_config)),
+                "--settings-json", _json(settings)]
+        if cfg.parallel == "ep":  # an expert-parallel rank: joins epochs from etcd
+            argv[2] = "planaria.elastic.ep_proc"
+            argv += ["--engine-id", ep_engine_id(cfg, engine_id), "--node-id", node_id(cfg),
+                     "--etcd-endpoints", self.etcd_endpoints or cfg.etcd_endpoints, "--cluster", cfg.cluster]
+            if cfg.advertise_host:  # gloo binds the node's routable address
+                argv += ["--bind-host", cfg.advertise_host]
+        key = engine_key(engine_id)
+        etcd_env = self.etcd_env if cfg.parallel == "ep" else {}
+        return ChildSpec(key=key, argv=argv, env=self._env(PLANARIA_ENGINE_ID=str(engine_id), **etcd_env),
+                         log_path=str(log_path(cfg, key)), cwd=cfg.state_dir)
+
+    def standby(self, number: int, ready_file: str) -> ChildSpec:
+        """A warm standby EP engine process (elastic/standby.py): imports done, waiting for
+        its assignment on stdin (daemon/standby_pool.py)."""
+        cfg = self.config
+        key = standby_key(number)
+        argv = [self.python, "-m", "planaria.elastic.standby", "--model", cfg.model, "--ready-file", ready_file]
+        return ChildSpec(key=key, argv=argv, env=self._env(**self.etcd_env), log_path=str(log_path(cfg, key)),
+                         cwd=cfg.state_dir, stdin_pipe=True)
+
+    def frontend(self, num_engines: int) -> ChildSpec:
+        cfg = self.config
+        argv = [self.python, "-m", "planaria.frontend.main", "--model", cfg.model, "--http", cfg.http,
+                "--runtime-dir", cfg.runtime_dir, "--engines", str(num_engines),
+                "--engine-config-json", _json(cfg.engine_config),
+                "--drain-timeout-s", f"{self.drain_timeout_s():g}",
+                "--log-level", cfg.log_level]
+        if "max_model_len" in cfg.engine_config:
+            argv += ["--max-model-len", str(cfg.engine_config["max_model_len"])]
+        return ChildSpec(key=FRONTEND_KEY, argv=argv, env=self._env(),
+                         log_path=str(log_path(cfg, FRONTEND_KEY)), cwd=cfg.state_dir)

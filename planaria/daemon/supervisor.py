@@ -1,0 +1,560 @@
+"""The supervisor's logic: one frontend and N engine cores, kept alive.
+
+No sockets, no waiting: the run loop (daemon/loop.py) reports what happened —
+``on_exit(child)`` when a child's sentinel fires, ``on_heartbeat(beat)`` per engine
+heartbeat — and calls ``tick()``, which acts on timers and returns when it wants to be
+called next. The spawner, the clock, the systemd notifier and the death reporter are
+injected; tests pass fakes (tests/daemon/test_supervisor_logic.py).
+
+What it does:
+
+- an engine that exits for any reason is reported dead to the frontend at once
+  (``report_dead(engine_id, pid, reason)``: ENGINE_CORE_DEAD on the frontend's PULL
+  socket), then restarted as ``RestartPolicy`` decides (backoff, flap hold-off, retry
+  limit); planned stops (restart, drain, scale-down, shutdown) are not failures;
+- an engine with work and no step progress for ``hang_timeout_s``, or no heartbeat at
+  all for twice that (``HangDetector`` on its heartbeats), is SIGKILLed, reported and
+  restarted like any dead engine;
+- when the frontend dies, the engines go with it (their handshake was with the dead
+  process; a new frontend would not know them) and start again with the new frontend;
+- systemd hears READY=1 when the first engine serves, a STATUS= line on every change,
+  STOPPING=1 on shutdown; the admin commands (daemon/commands/) call the public methods.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import signal
+from typing import Any, Callable, Protocol
+
+from planaria.daemon.children import Child, ChildSpec, describe_exit
+from planaria.daemon.config import ServeConfig, live_changes
+from planaria.daemon.ep_supervisor import POLL_S as EP_POLL_S, EPSupervisor
+from planaria.daemon.errors import (BadArgumentError, ConflictError, UnavailableError,
+                           UnknownEngineError)
+from planaria.daemon.hang_detector import HangDetector
+from planaria.daemon.launch import FRONTEND_KEY, Launcher, engine_key
+from planaria.daemon.logging import get_logger
+from planaria.daemon.restart_policy import GiveUp, HoldOff, RestartAt, RestartNow
+from planaria.daemon.slot import ScaleOp, Slot, SlotState
+from planaria.daemon.standby_pool import StandbyPool
+
+EXIT_OK, EXIT_FAILURE = 0, 1
+EXIT_CONFIG = 2  # every engine was refused for its configuration: restarting cannot help
+
+
+class Spawner(Protocol):
+    def spawn(self, spec: ChildSpec) -> Child: ...
+
+
+class Notifier(Protocol):
+    def ready(self, status: str | None = None) -> bool: ...
+    def status(self, text: str) -> bool: ...
+    def stopping(self, status: str | None = None) -> bool: ...
+    def reloading(self, status: str | None = None) -> bool: ...
+
+
+class _NullNotifier:
+    def ready(self, status=None): return False
+    def status(self, text): return False
+    def stopping(self, status=None): return False
+    def reloading(self, status=None): return False
+
+
+class Supervisor:
+    def __init__(self, config: ServeConfig, spawner: Spawner, clock: Callable[[], float], *,
+                 launcher: Launcher | None = None, notifier: Notifier | None = None,
+                 report_dead: Callable[[int, int | None, str], None] | None = None) -> None:
+        self.config = config
+        self.spawner = spawner
+        self.clock = clock
+        self.launcher = launcher or Launcher(config)
+        self.notifier = notifier or _NullNotifier()
+        self.report_dead = report_dead or (lambda engine_id, pid, reason: None)
+        self.policy = config.restart_policy()
+        self.hang = HangDetector(config.hang_timeout_s)
+        self.frontend = Slot(FRONTEND_KEY)
+        self.engines: dict[int, Slot] = {i: Slot(engine_key(i)) for i in range(config.num_engines)}
+        self.scale_op: ScaleOp | None = None
+        self.shutting_down = False
+        self.exit_code = EXIT_OK
+        self.started_at = clock()
+        self.num_deaths_reported = 0
+        self._op_ids = itertools.count(1)
+        self._ready_sent = False
+        self._last_status = ""
+        self.log = get_logger("planaria.supervisor")
+        self.ep: EPSupervisor | None = None  # the EP half when config.parallel == "ep" (set by serve)
+        self.standby = (StandbyPool(config.num_standby, self.launcher, spawner, clock, self.log)
+                        if config.parallel == "ep" and config.num_standby > 0 else None)
+
+    # -- views --------------------------------------------------------------------------
+    def slots(self) -> list[Slot]:
+        return [self.frontend, *(self.engines[i] for i in sorted(self.engines))]
+
+    def live_children(self) -> list[Child]:
+        standbys = self.standby.children() if self.standby is not None else []
+        return [*(s.child for s in self.slots() if s.child is not None), *standbys]
+
+    @property
+    def done(self) -> bool:
+        """Shutting down and no child left."""
+        return self.shutting_down and not self.live_children()
+
+    def rank(self, engine_id: int) -> int:
+        return sorted(self.engines).index(engine_id)
+
+    def num_up(self) -> int:
+        return sum(s.state is SlotState.RUNNING for s in self.engines.values())
+
+    def _slot_log(self, slot: Slot):
+        if slot.key == FRONTEND_KEY:
+            return self.log.bind(child="frontend", pid=slot.pid)
+        return self.log.bind(engine_id=slot.engine_id, rank=self.rank(slot.engine_id), pid=slot.pid)
+
+    # -- starting -----------------------------------------------------------------------
+    def start(self) -> None:
+        self._spawn(self.frontend)  # then the engines, all WAITING for it
+        self._notify_status()
+
+    def _frontend_up(self) -> bool:
+        return self.frontend.state in (SlotState.STARTING, SlotState.RUNNING)
+
+    def _spawn(self, slot: Slot) -> None:
+        now = self.clock()
+        if slot.key != FRONTEND_KEY and not self._frontend_up():
+            slot.state, slot.reason = SlotState.WAITING, "waiting for the frontend"
+            return
+        if slot.key != FRONTEND_KEY and self.ep is not None and slot.num_starts > 0:
+            # EP: a restarted rank takes the group's KV figure instead of profiling again.
+            slot.extra_config = self.ep.reused_kv_config(self._kv_figures(but=slot)) or slot.extra_config
+        slot.num_starts += 1
+        spec = (self.launcher.frontend(len(self.engines)) if slot.key == FRONTEND_KEY
+                else self.launcher.engine(slot.engine_id, slot.extra_config))
+        warm = self.standby.take(spec, now) if self.standby is not None else None
+        slot.child = warm or self.spawner.spawn(spec)
+        slot.state, slot.started_at, slot.due_at, slot.kill_at = SlotState.STARTING, now, None, None
+        slot.heartbeat = None
+        self.policy.record_start(slot.key, now)
+        self._slot_log(slot).info("started", restarts=self.policy.restarts(slot.key),
+                                  **({"from_standby": True} if warm is not None else {}))
+        if slot.key == FRONTEND_KEY:
+            for engine in self.engines.values():
+                if engine.state is SlotState.WAITING:
+                    self._spawn(engine)
+
+    # -- events from the loop -----------------------------------------------------------
+    def on_exit(self, child: Child) -> None:
+        """``child``'s sentinel fired: reap it, report it, decide what comes next."""
+        code = child.poll()
+        if code is None:
+            return  # spurious wakeup
+        slot = next((s for s in self.slots() if s.child is child), None)
+        if slot is None:
+            if self.standby is not None and self.standby.on_exit(child, self.clock(), describe_exit(code)):
+                self._notify_status()
+            return
+        now = self.clock()
+        reason = slot.kill_reason or describe_exit(code)
+        log = self._slot_log(slot)
+        if slot.key != FRONTEND_KEY:
+            # First, before anything else: the frontend must stop waiting on this engine.
+            if not slot.death_reported:
+                self._report_dead(slot, reason)
+            self.hang.forget(slot.engine_id)
+            if self.ep is not None:
+                self.ep.forget_engine(slot.engine_id, child.pid)
+        after, slot.after_exit, slot.kill_reason, slot.death_reported = slot.after_exit, "", "", False
+        slot.child, slot.heartbeat, slot.kill_at, slot.started_at = None, None, None, None
+        slot.reason = reason
+        log.log(logging.INFO if after else logging.WARNING, "exited", reason=reason,
+                planned=after or None)
+        if self.shutting_down or after == "stop":
+            slot.state = SlotState.STOPPED
+        elif after == "restart":
+            self._spawn(slot)
+        elif after == "drain":
+            slot.state = SlotState.DRAINED
+        elif after == "remove":
+            del self.engines[slot.engine_id]
+            self.policy.forget(slot.key)
+        elif after == "frontend":
+            slot.state = SlotState.WAITING
+            if self._frontend_up():
+                self._spawn(slot)
+        else:
+            self.policy.record_exit(slot.key, now, code, reason)
+            if slot.key == FRONTEND_KEY:
+                self._frontend_died()
+            self._decide(slot)
+        self._update_scale_op()
+        self._notify_status()
+
+    def on_exiting(self, child: Child) -> None:
+        """An exit sentinel of ``child`` fired: its threads are gone, the kernel is still
+        freeing its memory. Report the engine dead now; ``on_exit`` reaps it later."""
+        slot = next((s for s in self.engines.values() if s.child is child), None)
+        if slot is None or slot.death_reported:
+            return
+        self._report_dead(slot, slot.kill_reason or "the engine process is exiting (its threads ended)")
+
+    def _report_dead(self, slot: Slot, reason: str) -> None:
+        if self._frontend_up():
+            self.report_dead(slot.engine_id, slot.pid, reason)
+            self.num_deaths_reported += 1
+        slot.death_reported = True
+
+    def _frontend_died(self) -> None:
+        """The engines' handshake was with the dead frontend: restart them with the next."""
+        for engine in self.engines.values():
+            if engine.child is not None and engine.after_exit not in ("remove", "drain", "stop"):
+                engine.after_exit = "frontend"
+                engine.kill_reason = "its frontend died"
+                engine.state = SlotState.STOPPING
+                engine.child.send_signal(signal.SIGKILL)
+            elif engine.state is SlotState.BACKOFF:
+                engine.state, engine.due_at = SlotState.WAITING, None
+
+    def _decide(self, slot: Slot) -> None:
+        action = self.policy.decide(slot.key, self.clock())
+        if isinstance(action, RestartNow):
+            self._spawn(slot)
+        elif isinstance(action, (RestartAt, HoldOff)):
+            slot.state = SlotState.BACKOFF
+            slot.due_at = action.t if isinstance(action, RestartAt) else action.until
+            if isinstance(action, HoldOff):
+                slot.reason = action.reason
+            self._slot_log(slot).info("restart scheduled", in_s=round(slot.due_at - self.clock(), 3))
+        elif isinstance(action, GiveUp):
+            slot.state, slot.reason = SlotState.FAILED, action.reason
+            self._slot_log(slot).error("giving up", reason=action.reason)
+            if slot.key == FRONTEND_KEY or all(
+                    s.state is SlotState.FAILED for s in self.engines.values()):
+                self.log.error("nothing left to serve with; shutting down")
+                config_error = slot.key != FRONTEND_KEY and all(
+                    self._failed_for_config(s) for s in self.engines.values())
+                self.exit_code = EXIT_CONFIG if config_error else EXIT_FAILURE
+                self.begin_shutdown()
+
+    def _failed_for_config(self, slot: Slot) -> bool:
+        exits = self.policy.last_exits(slot.key)
+        return bool(exits) and exits[-1][1] in self.policy.fatal_exit_codes
+
+    def on_heartbeat(self, beat) -> None:
+        slot = self.engines.get(beat.engine_index)
+        if slot is None or slot.child is None or slot.child.pid != beat.pid:
+            return  # an older incarnation, or a removed engine
+        now = self.clock()
+        slot.heartbeat = beat
+        if beat.exit_sentinel_tids and not getattr(slot.child, "watched_tids", True):
+            watched = slot.child.watch_threads(beat.exit_sentinel_tids)
+            self._slot_log(slot).debug("exit sentinels", watched=watched)
+        self.hang.observe(slot.engine_id, beat.step_counter, beat.has_work, now)
+        if slot.state is SlotState.STARTING and beat.state == "running":
+            slot.state = SlotState.RUNNING
+            self._slot_log(slot).info("serving", kv_cache_bytes=beat.kv_cache_bytes,
+                                      kv_source=beat.kv_source,
+                                      startup_s=round(now - slot.started_at, 3))
+            if self.frontend.state is SlotState.STARTING:
+                self.frontend.state = SlotState.RUNNING
+            if self.standby is not None:
+                self.standby.enable(now)  # now that an engine has started, not before
+            self._update_scale_op()
+            self._notify_status()
+        if slot.state is SlotState.RUNNING:
+            self.policy.record_healthy(slot.key, now)
+
+    # -- timers -------------------------------------------------------------------------
+    def tick(self) -> float | None:
+        """Act on what is due; returns the clock time of the next thing due (or None)."""
+        now = self.clock()
+        if self.ep is not None and not self.shutting_down:
+            self._follow_placement()
+        for slot in self.slots():
+            if slot.state is SlotState.BACKOFF and slot.due_at is not None and slot.due_at <= now:
+                self._spawn(slot)
+            elif slot.state is SlotState.STOPPING and slot.kill_at is not None and slot.kill_at <= now:
+                self._slot_log(slot).warning("did not stop in time; SIGKILL")
+                slot.kill_at = None
+                slot.child.send_signal(signal.SIGKILL)
+        if not self.shutting_down:
+            for engine_id in self.hang.check(now):
+                slot = self.engines.get(engine_id)
+                why = self.hang.why_hung(engine_id, now)
+                self.hang.forget(engine_id)
+                if slot is None or slot.state not in (SlotState.STARTING, SlotState.RUNNING):
+                    continue
+                slot.kill_reason = why
+                self._slot_log(slot).error("hung; SIGKILL", reason=slot.kill_reason)
+                slot.child.send_signal(signal.SIGKILL)
+        if self.frontend.state is SlotState.RUNNING:
+            self.policy.record_healthy(FRONTEND_KEY, now)
+        self._update_scale_op()
+        self._notify_status()
+        times = [t for s in self.slots() for t in (s.due_at, s.kill_at) if t is not None]
+        if any(s.state in (SlotState.STARTING, SlotState.RUNNING) for s in self.engines.values()):
+            times.append(now + self.config.hang_timeout_s / 4)
+        if self.ep is not None:
+            times.append(now + EP_POLL_S)
+        if self.standby is not None and not self.shutting_down:
+            times.append(self.standby.tick(now))
+        return min((t for t in times if t is not None), default=None)
+
+    # -- systemd ------------------------------------------------------------------------
+    def status_line(self) -> str:
+        restarts = sum(self.policy.restarts(s.key) for s in self.slots())
+        failed = [s for s in self.engines.values() if s.state is SlotState.FAILED]
+        return (f"{self.num_up()}/{len(self.engines)} engines up, {restarts} restarts, "
+                f"frontend {self.frontend.state.value}"
+                + (f", engine {failed[0].engine_id} failed: {failed[0].reason}"
+                   + (f" (+{len(failed) - 1} more failed)" if len(failed) > 1 else "")
+                   if failed else "")
+                + (", stopping" if self.shutting_down else ""))
+
+    def _notify_status(self) -> None:
+        line = self.status_line()
+        if not self._ready_sent and not self.shutting_down and self.num_up() > 0:
+            self._ready_sent = True
+            self._last_status = line
+            self.notifier.ready(status=line)
+            self.log.info("ready", status=line)
+        elif line != self._last_status:
+            self._last_status = line
+            self.notifier.status(line)
+
+    # -- shutdown, reload ---------------------------------------------------------------
+    def begin_shutdown(self) -> None:
+        """SIGTERM every child (they drain), SIGKILL what is left after stop_timeout_s."""
+        if self.shutting_down:
+            return
+        self.shutting_down = True
+        self.notifier.stopping(status=f"stopping: draining {len(self.live_children())} processes")
+        self.log.info("shutting down", stop_timeout_s=self.config.stop_timeout_s)
+        for slot in self.slots():
+            if slot.child is not None:
+                self._stop(slot, "stop")
+            elif slot.state is not SlotState.FAILED:
+                slot.state, slot.due_at = SlotState.STOPPED, None
+        if self.standby is not None:
+            self.standby.stop(signal.SIGTERM)
+
+    def kill_all(self) -> None:
+        """A second stop request: do not wait for the drain."""
+        for slot in self.slots():
+            if slot.child is not None:
+                slot.child.send_signal(signal.SIGKILL)
+        if self.standby is not None:
+            self.standby.stop(signal.SIGKILL)
+
+    def _stop(self, slot: Slot, after_exit: str, sig: int = signal.SIGTERM) -> None:
+        slot.after_exit = after_exit
+        slot.state = SlotState.STOPPING
+        slot.kill_at = self.clock() + self.config.stop_timeout_s
+        slot.child.send_signal(sig)
+
+    def reload(self, new: ServeConfig) -> dict[str, Any]:
+        """Apply what can change live; returns {"applied": {...}, "needs_restart": [...]}."""
+        self.notifier.reloading(status="reloading configuration")
+        live, needs_restart = live_changes(self.config, new)
+        keep = {k: getattr(self.config, k) for k in self.config.__struct_fields__
+                if k not in live}
+        self.config = type(self.config)(**{**keep, **live})
+        self.launcher.config = self.config
+        self.policy.reconfigure(
+            backoff_initial_s=self.config.restart_backoff_s,
+            backoff_max_s=self.config.restart_backoff_max_s,
+            flap_window_s=self.config.flap_window_s, flap_max_exits=self.config.flap_max_exits,
+            flap_hold_s=self.config.flap_hold_s, retry_limit=self.config.retry_limit,
+            stable_s=self.config.stable_s)
+        self.hang.hang_timeout_s = self.config.hang_timeout_s
+        if self.ep is not None and "max_engines" in live:
+            self.ep.reconfigure(self.config.max_engines)
+        if "log_level" in live:
+            logging.getLogger().setLevel(self.config.log_level)
+        self.log.info("reloaded", applied=live, needs_restart=needs_restart)
+        if needs_restart:
+            self.log.warning("changed settings that need a restart were not applied",
+                             fields=needs_restart)
+        self.notifier.ready(status=self.status_line())
+        self._last_status = self.status_line()
+        return {"applied": live, "needs_restart": needs_restart}
+
+    # -- admin operations ---------------------------------------------------------------
+    def engine(self, engine_id: Any) -> Slot:
+        if isinstance(engine_id, bool) or not isinstance(engine_id, int):
+            raise BadArgumentError(f"engine id must be an integer, got {engine_id!r}")
+        slot = self.engines.get(engine_id)
+        if slot is None:
+            known = ", ".join(map(str, sorted(self.engines))) or "none"
+            raise UnknownEngineError(f"no engine {engine_id} (engines: {known})")
+        return slot
+
+    def _check_serving(self) -> None:
+        if self.shutting_down:
+            raise UnavailableError("the daemon is shutting down")
+
+    def restart_engine(self, engine_id: int) -> dict[str, Any]:
+        self._check_serving()
+        slot = self.engine(engine_id)
+        if slot.state is SlotState.STOPPING:
+            raise ConflictError(f"engine {engine_id} is already stopping ({slot.after_exit})")
+        if slot.child is not None:
+            self._stop(slot, "restart")
+        else:
+            self._spawn(slot)
+        self._notify_status()
+        return {"engine_id": engine_id, "state": slot.state.value}
+
+    def drain_engine(self, engine_id: int) -> dict[str, Any]:
+        self._check_serving()
+        slot = self.engine(engine_id)
+        if slot.state is SlotState.DRAINED or slot.after_exit == "drain":
+            return {"engine_id": engine_id, "state": slot.state.value, "changed": False}
+        if slot.state is SlotState.STOPPING:
+            raise ConflictError(f"engine {engine_id} is already stopping ({slot.after_exit})")
+        if slot.child is not None:
+            self._stop(slot, "drain")
+        else:
+            slot.state, slot.due_at, slot.reason = SlotState.DRAINED, None, "drained"
+        self._notify_status()
+        return {"engine_id": engine_id, "state": slot.state.value, "changed": True}
+
+    def _kv_figures(self, but: Slot | None = None) -> list[int]:
+        """The kv_cache_bytes of the serving engines (other than ``but``)."""
+        return [s.heartbeat.kv_cache_bytes for s in self.engines.values()
+                if s is not but and s.state is SlotState.RUNNING and s.heartbeat is not None
+                and s.heartbeat.kv_cache_bytes > 0]
+
+    def reused_kv_cache_bytes(self) -> int | None:
+        """The smallest kv_cache_bytes of the serving engines (a scale-up reuses it; in EP
+        mode ``EPSupervisor.reused_kv_config`` adds the group's kv_budget figure)."""
+        figures = self._kv_figures()
+        return min(figures) if figures else None
+
+    def engine_count(self) -> int:
+        """The engine count `scale up|down` starts from: this daemon's engines, or in EP
+        mode the cluster's (its desired count)."""
+        count = self.ep.engine_count() if self.ep is not None else None
+        return len(self.engines) if count is None else count
+
+    def scale_to(self, target: Any) -> dict[str, Any]:
+        self._check_serving()
+        if isinstance(target, bool) or not isinstance(target, int):
+            raise BadArgumentError(f"engine count must be an integer, got {target!r}")
+        if self.ep is not None:  # EP: cluster-wide; the leader places it over the nodes
+            if target < 1:
+                raise BadArgumentError(f"engine count must be between 1 and the cluster's capacity, got {target}")
+            return self.ep.scale_to(target, len(self.engines))
+        if not 1 <= target <= self.config.max_engines:
+            raise BadArgumentError(f"engine count must be between 1 and the capacity "
+                                   f"--max-engines={self.config.max_engines}, got {target}")
+        if self.scale_op is not None:
+            raise ConflictError(f"scale operation {self.scale_op.op_id} (to "
+                                f"{self.scale_op.target}) is still in progress")
+        current = len(self.engines)
+        if target == current:
+            return {"engines": current, "target": target, "changed": False, "op_id": None}
+        op = ScaleOp(next(self._op_ids), target, adding=[], removing=[])
+        if target > current:
+            kv = self.reused_kv_cache_bytes()
+            op.adding = self._add_engines(target - current, {"kv_cache_bytes": kv, "kv_source": "reused"}
+                                          if kv else {})
+        else:
+            op.removing = sorted(self.engines)[target:]
+            for engine_id in op.removing:
+                self._remove_engine(engine_id)
+        self.scale_op = op
+        self.log.info("scaling", op_id=op.op_id, engines=current, target=target,
+                      adding=op.adding, removing=op.removing)
+        self._update_scale_op()
+        self._notify_status()
+        return {"engines": current, "target": target, "changed": True, "op_id": op.op_id,
+                "adding": op.adding, "removing": op.removing}
+
+    def _add_engines(self, num: int, extra_config: dict[str, Any]) -> list[int]:
+        """Start ``num`` engines in the lowest free slots; returns their ids."""
+        added = list(itertools.islice((i for i in itertools.count() if i not in self.engines), num))
+        for engine_id in added:
+            slot = self.engines[engine_id] = Slot(engine_key(engine_id), extra_config=dict(extra_config))
+            self._spawn(slot)
+        return added
+
+    def _remove_engine(self, engine_id: int, leaves_at_epoch: bool = False) -> None:
+        """Remove an engine: drained and stopped, or (``leaves_at_epoch``: an EP rank) left to
+        go on its own at the scale-down epoch, after its requests moved to survivors (it
+        exits 0 and the slot goes)."""
+        slot = self.engines[engine_id]
+        if slot.child is None:
+            del self.engines[engine_id]
+            self.policy.forget(slot.key)
+        elif leaves_at_epoch or slot.state is SlotState.STOPPING:
+            slot.after_exit = "remove"  # on its way out already, or at the epoch
+        else:
+            self._stop(slot, "remove")  # drains its requests first
+
+    def _follow_placement(self) -> None:
+        """EP: start or remove engines to match this node's share of the placement."""
+        changes = self.ep.slot_changes(self.engines)
+        if changes is None:
+            return
+        for engine_id in changes.keep:
+            self.engines[engine_id].after_exit = ""
+        added = self._add_engines(changes.num_add, self.ep.reused_kv_config(self._kv_figures()))
+        for engine_id in changes.remove:
+            self._remove_engine(engine_id, leaves_at_epoch=engine_id in changes.ranks)
+        self.log.info("following the placement", share=self.ep.share(), added=added,
+                      kept=changes.keep, removing=changes.remove)
+        self._notify_status()
+
+    def ep_status(self) -> dict[str, Any] | None:
+        """Epoch, ranks and the active operation from etcd (None when not EP)."""
+        return self.ep.status() if self.ep is not None else None
+
+    def _update_scale_op(self) -> None:
+        op = self.scale_op
+        if op is None:
+            return
+        pending = [i for i in op.adding if i in self.engines and self.engines[i].state in (
+            SlotState.STARTING, SlotState.BACKOFF, SlotState.WAITING)]
+        pending += [i for i in op.removing if i in self.engines]
+        if not pending:
+            self.log.info("scale done", op_id=op.op_id, engines=len(self.engines))
+            self.scale_op = None
+
+    def status(self) -> dict[str, Any]:
+        now = self.clock()
+
+        def child(slot: Slot) -> dict[str, Any]:
+            return {"state": slot.state.value, "pid": slot.pid,
+                    "uptime_s": round(now - slot.started_at, 3) if slot.started_at is not None
+                    and slot.child is not None else None,
+                    "restarts": self.policy.restarts(slot.key), "reason": slot.reason}
+
+        engines = []
+        for engine_id in sorted(self.engines):
+            slot = self.engines[engine_id]
+            hb = slot.heartbeat
+            engines.append({
+                "engine_id": engine_id, "rank": self.rank(engine_id), **child(slot),
+                "num_running": hb.num_running if hb else None,
+                "num_waiting": hb.num_waiting if hb else None,
+                "kv_usage": hb.kv_usage if hb else None,
+                "kv_cache_bytes": hb.kv_cache_bytes if hb else None,
+                "num_kv_blocks": hb.num_kv_blocks if hb else None,
+                "kv_source": hb.kv_source if hb else None,
+                "step_counter": hb.step_counter if hb else None})
+        ep = self.ep_status()
+        if ep is not None:
+            self.ep.annotate(engines, ep)
+        op = self.scale_op
+        return {"status": self.status_line(), "http": self.config.http, "model": self.config.model,
+                "uptime_s": round(now - self.started_at, 3), "shutting_down": self.shutting_down,
+                "num_engines": len(self.engines), "num_up": self.num_up(),
+                "max_engines": self.config.max_engines,
+                "num_deaths_reported": self.num_deaths_reported,
+                "scale": None if op is None else {"op_id": op.op_id, "target": op.target,
+                                                  "adding": op.adding, "removing": op.removing},
+                "frontend": child(self.frontend), "engines": engines,
+                "state_dir": self.config.state_dir, "parallel": self.config.parallel, "ep": ep,
+                "standby": self.standby.status(now) if self.standby is not None else None}

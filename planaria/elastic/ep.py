@@ -1,0 +1,224 @@
+"""Expert parallelism: a per-epoch process group and the MoE dispatch/combine over it.
+
+Every engine is a data-parallel rank with its own scheduler and KV cache; the MoE layers
+are expert-parallel across all ranks. A layer's (token, expert) pairs are sent to the
+rank that owns the expert (all-to-all), computed there with the grouped expert matmul,
+and sent back (all-to-all); the source rank applies the routing weights and sums.
+
+The process group lives on a TCPStore that outlives epochs (hosted by the supervisor, or
+by whoever calls ``host_store``); each epoch gets a fresh group under its own
+``PrefixStore``, so rebuilding at a new world size costs milliseconds.
+
+Forming a group is two-phase. *Prepare*: each rank sets its arrival key
+(``planaria/arrive/<epoch>/<rank>``) in the store, and nobody builds the group before every
+rank of the epoch has arrived (``all_arrived``), so no rank ever blocks in the group's
+constructor waiting for a rank that is not coming. *Commit*: build the group, with the
+collective timeout as the bound. A rank that never arrives leaves the others free to go on
+serving the old epoch (or to take a newer one) — the leader aborts the switch.
+
+Applied as a transform (``apply_expert_parallel``): the model code only has a hook.
+"""
+
+from __future__ import annotations
+
+import datetime
+import time
+
+import msgspec
+import torch
+import torch.distributed as dist
+
+from planaria.elastic.errors import ElasticError
+from planaria.kernels.moe import grouped_expert_mlp
+
+
+class CollectiveError(ElasticError):
+    """A collective failed or timed out: a peer rank died or hung."""
+
+
+class EPSpec(msgspec.Struct, kw_only=True):
+    """What an engine needs to join an epoch's expert-parallel group."""
+
+    epoch: int
+    rank: int
+    world_size: int
+    rendezvous: str  # host:port of the TCPStore
+    expert_map: list[int]  # expert -> rank
+    timeout_s: float = 30.0
+    backend: str = "gloo"  # "nccl" on GPU
+    ranks: list[str] = []  # rank -> engine id ([]: unknown, every rank counts as a joiner)
+
+    def expert_range(self, rank: int | None = None) -> tuple[int, int]:
+        r = self.rank if rank is None else rank
+        owned = [e for e, owner in enumerate(self.expert_map) if owner == r]
+        if not owned:
+            return (0, 0)
+        if owned != list(range(owned[0], owned[-1] + 1)):
+            raise ElasticError(f"rank {r}: experts {owned} are not contiguous")
+        return owned[0], owned[-1] + 1
+
+
+def _split(addr: str) -> tuple[str, int]:
+    host, _, port = addr.rpartition(":")
+    return host or "127.0.0.1", int(port)
+
+
+def host_store(addr: str, timeout_s: float = 300.0) -> dist.TCPStore:
+    """The rendezvous store server (one per cluster, outlives epochs)."""
+    host, port = _split(addr)
+    return dist.TCPStore(host, port, is_master=True, wait_for_workers=False,
+                         timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def connect_store(addr: str, timeout_s: float = 30.0) -> dist.TCPStore:
+    """A client of the rendezvous store (raises CollectiveError when it cannot connect)."""
+    host, port = _split(addr)
+    try:
+        return dist.TCPStore(host, port, is_master=False, wait_for_workers=False,
+                             timeout=datetime.timedelta(seconds=timeout_s))
+    except (RuntimeError, dist.DistError) as exc:
+        raise CollectiveError(f"cannot reach the rendezvous store {addr}: {exc}") from exc
+
+
+def arrival_key(epoch: int, rank: int) -> str:
+    return f"planaria/arrive/{epoch}/{rank}"
+
+
+def arrive(store, spec: EPSpec) -> None:
+    """Prepare: say this rank is at the switch point of ``spec.epoch``."""
+    try:
+        store.set(arrival_key(spec.epoch, spec.rank), b"1")
+    except (RuntimeError, dist.DistError) as exc:
+        raise CollectiveError(f"epoch {spec.epoch}: cannot arrive: {exc}") from exc
+
+
+def arrived(store, epoch: int, ranks: list[int]) -> bool:
+    """Whether every rank in ``ranks`` has arrived at ``epoch`` (never blocks)."""
+    if not ranks:
+        return True
+    try:
+        return bool(store.check([arrival_key(epoch, r) for r in ranks]))
+    except (RuntimeError, dist.DistError) as exc:
+        raise CollectiveError(f"epoch {epoch}: cannot read arrivals: {exc}") from exc
+
+
+class EPGroup:
+    """The process group of one epoch (commit: every rank has arrived)."""
+
+    def __init__(self, spec: EPSpec, store=None, bind_host: str | None = None) -> None:
+        self.spec = spec
+        self.rank, self.world_size = spec.rank, spec.world_size
+        host, _port = _split(spec.rendezvous)
+        self._store = store if store is not None else connect_store(spec.rendezvous, spec.timeout_s)
+        try:
+            # Every rank has arrived: forming is bounded by the collective timeout.
+            self._store.set_timeout(datetime.timedelta(seconds=spec.timeout_s))
+            prefix = dist.PrefixStore(f"planaria/epoch{spec.epoch}/", self._store)
+            timeout = datetime.timedelta(seconds=spec.timeout_s)
+            if spec.backend == "gloo":
+                opts = dist.ProcessGroupGloo._Options()
+                opts._timeout = timeout
+                opts._devices = [dist.ProcessGroupGloo.create_device(hostname=bind_host or _local_ip(host))]
+                self.pg = dist.ProcessGroupGloo(prefix, spec.rank, spec.world_size, opts)
+            elif spec.backend == "nccl":
+                opts = dist.ProcessGroupNCCL.Options()
+                opts._timeout = timeout
+                self.pg = dist.ProcessGroupNCCL(prefix, spec.rank, spec.world_size, opts)
+            else:
+                raise ElasticError(f"unknown EP backend {spec.backend!r}")
+        except (RuntimeError, dist.DistError) as exc:
+            raise CollectiveError(f"epoch {spec.epoch}: cannot form the group: {exc}") from exc
+
+    # ``waiting_since``: the monotonic time this rank entered the collective it is in (None
+    # between collectives). A rank blocked there waits on a peer, it is not hung itself: its
+    # heartbeat says so, and the collective timeout bounds the wait.
+    waiting_since: float | None = None
+
+    def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_splits: list[int]) -> None:
+        self.waiting_since = time.monotonic()
+        try:
+            self.pg.alltoall_base(out, inp, out_splits, in_splits).wait()
+        except (RuntimeError, dist.DistError) as exc:
+            raise CollectiveError(f"all_to_all failed: {exc}") from exc
+        finally:
+            self.waiting_since = None
+
+    def all_reduce_max(self, t: torch.Tensor) -> torch.Tensor:
+        self.waiting_since = time.monotonic()
+        try:
+            opts = dist.AllreduceOptions()
+            opts.reduceOp = dist.ReduceOp.MAX
+            self.pg.allreduce([t], opts).wait()
+        except (RuntimeError, dist.DistError) as exc:
+            raise CollectiveError(f"all_reduce failed: {exc}") from exc
+        finally:
+            self.waiting_since = None
+        return t
+
+    def destroy(self) -> None:
+        self.pg = None
+        self._store = None
+
+
+def _local_ip(store_host: str) -> str:
+    """The local address that routes to the store (loopback stays loopback)."""
+    import socket
+
+    if store_host.startswith("127.") or store_host == "localhost":
+        return "127.0.0.1"
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        s.connect((store_host, 9))
+        return s.getsockname()[0]
+    finally:
+        s.close()
+
+
+class ExpertParallel:
+    """Dispatch/combine for every SparseMoE layer of one model over one EPGroup."""
+
+    def __init__(self, group: EPGroup, expert_map: list[int]) -> None:
+        self.group = group
+        self.rank_of_expert = torch.tensor(expert_map, dtype=torch.long)
+        self.num_collectives = 0
+
+    def forward(self, moe, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        # x: [T, H]; weights, ids: [T, K]
+        g = self.group
+        T, K = ids.shape
+        H = x.shape[1]
+        W = g.world_size
+        flat_ids = ids.reshape(-1)  # [P = T*K]
+        dest = self.rank_of_expert.to(ids.device)[flat_ids]  # [P]
+        order = torch.argsort(dest, stable=True)
+        send_counts = torch.bincount(dest, minlength=W)  # [W]
+        recv_counts = torch.empty_like(send_counts)
+        g.all_to_all(recv_counts, send_counts, [1] * W, [1] * W)
+        sc, rc = send_counts.tolist(), recv_counts.tolist()
+        R = sum(rc)
+        send_x = x.index_select(0, order // K)  # [P, H] sorted by destination rank
+        send_ids = flat_ids.index_select(0, order)
+        recv_x = x.new_empty(R, H)
+        recv_ids = ids.new_empty(R)
+        g.all_to_all(recv_x, send_x, rc, sc)
+        g.all_to_all(recv_ids, send_ids, rc, sc)
+        # Each received pair is one (token, expert) with weight 1: the source applies weights.
+        ones = x.new_ones(R, 1)
+        y = grouped_expert_mlp(recv_x, moe.w13, moe.w2, ones, recv_ids[:, None], moe.expert_start)  # [R, H]
+        back = x.new_empty(T * K, H)
+        g.all_to_all(back, y, sc, rc)
+        self.num_collectives += 4
+        pair_out = torch.empty_like(back).index_copy_(0, order, back)
+        return (pair_out.view(T, K, H) * weights[..., None]).sum(dim=1)
+
+
+def apply_expert_parallel(model, ep: ExpertParallel | None) -> int:
+    """Route every SparseMoE layer through ``ep`` (None: back to local). Returns layers."""
+    from planaria.engine.models.decoder import SparseMoE
+
+    n = 0
+    for m in model.modules():
+        if isinstance(m, SparseMoE):
+            m.ep_forward = ep.forward if ep is not None else None
+            n += 1
+    return n

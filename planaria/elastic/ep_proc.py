@@ -1,0 +1,434 @@
+"""The engine-core process of an expert-parallel cluster.
+
+Like ``engine.proc`` (same sockets, handshake, faults, shutdown), plus:
+
+- the engine registers itself in etcd (``engines/<id>``, on a lease of its own, so a dead
+  engine's record expires; its supervisor also deletes it at once when it sees the exit)
+  and watches the ``epoch`` key;
+- it starts outside any group and joins the first epoch that names it before it tells the
+  frontends READY (so no request waits on a rank outside a group); a scale-up engine is
+  launched with ``kv_cache_bytes`` (kv_source "reused") and skips profiling;
+- every step is a lockstep EP step (elastic/ep_engine.py); a newer epoch is adopted at a
+  step boundary once every rank of the current group is ready for it, i.e. every joining
+  rank has arrived (prepare -> commit); requests are kept;
+- a rank not named by the new epoch (scale-down) tells its frontends it is leaving with
+  ENGINE_CORE_DEAD (their journals replay its requests on survivors) and exits 0;
+- a collective or a switch that fails (a peer died, hung, or never arrived) makes the rank
+  UNHEALTHY with its requests kept and ``failed_epoch`` in its etcd record; it still takes
+  requests (they queue), and the leader's next epoch (a re-form without the lost rank, or
+  the abort of a failed switch) brings the group back. A failed switch never kills a rank.
+
+Launch: ``python -m planaria.elastic.ep_proc --engine-index I --engine-id ID --input-addr ... \
+    --config-json ... --etcd-endpoints host:port --cluster NAME [--bind-host IP]``
+(``--bind-host``: the node's routable address, which gloo binds); a secured etcd's TLS files,
+user and password file come in ``PLANARIA_ETCD_*`` environment variables
+(elastic/etcd_security.py), never on the command line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+
+import msgspec
+
+from planaria.elastic.ep import CollectiveError, EPSpec
+from planaria.elastic.ep_engine import EPRank, make_ep_core
+from planaria.elastic.etcd_security import EtcdSecurity
+from planaria.elastic.keys import EngineRecord, EngineState as ClusterState, Epoch, KeyLayout, decode
+from planaria.engine import envs
+from planaria.engine.config import EngineConfig
+from planaria.engine.errors import RequestExecutionError
+from planaria.engine.proc import (EXIT_OK, EXIT_USAGE, EngineCoreProc, EngineState, ProcSettings, _Exit,
+                         _json_arg, _setup_logging)
+
+log = logging.getLogger(__name__)
+IDLE_POLL_S = 0.005  # an idle rank re-syncs this often (start latency of new work)
+EP_FAULT_ENV = "PLANARIA_EP_FAULT"  # chaos tests (with PLANARIA_FAULT_INJECTION=1)
+COLLECTIVE_WAIT_S = 0.5  # in one collective longer than this: waiting on a peer
+
+
+class EPEngineCoreProc(EngineCoreProc):
+    def __init__(self, engine_index: int, engine_id: str, node_id: str, input_addresses: list[str],
+                 config: EngineConfig, etcd_endpoints: list[str], cluster: str,
+                 settings: ProcSettings | None = None, lease_ttl_s: float = 3.0,
+                 collective_timeout_s: float = 10.0, etcd_security=None, bind_host: str | None = None) -> None:
+        super().__init__(engine_index, input_addresses, config, settings)
+        self.engine_id, self.node_id = engine_id, node_id
+        self.etcd_endpoints, self.cluster = etcd_endpoints, cluster
+        self.etcd_security = etcd_security
+        self.bind_host = bind_host
+        self.lease_ttl_s, self.collective_timeout_s = lease_ttl_s, collective_timeout_s
+        self.keys = KeyLayout(cluster)
+        self.ep: EPRank | None = None
+        self._epoch_lock = threading.Lock()
+        self._latest_epoch: Epoch | None = None
+        self._membership = None
+        self._watch = None
+        self._preparing: EPSpec | None = None  # an epoch naming us, arrived, not yet formed
+        self._reforming = False  # lost its group after serving: waits for the next epoch
+        self._reform_deadline: float | None = None
+        self._forming = False
+        self._seen_epoch = -1  # epochs up to this one are not (re)adopted
+        self._served_epoch = 0
+        self._failed_epoch = 0
+        self._error = ""
+        self.timings: dict[str, float] = {}
+        self._started_at = time.time()
+        # Chaos tests only: "stop_after_arrive" makes a joining rank SIGSTOP itself once,
+        # right after it arrived at an epoch (a rank that hangs mid-switch).
+        self._fault = os.environ.get(EP_FAULT_ENV, "") if envs.get().fault_injection else ""
+
+    # -- etcd --------------------------------------------------------------------------------
+    def _start_cluster(self) -> None:
+        from planaria.elastic.membership import Membership
+
+        self._membership = Membership.from_endpoints(self.etcd_endpoints, self.cluster, self.engine_id,
+                                                     ttl_s=self.lease_ttl_s,
+                                                     security=self.etcd_security).start()
+        self._record(ClusterState.LOADING)
+        self._watch = self._membership.watch_prefix(self.keys.epoch, self._on_epoch_events)
+
+    def _record(self, state: ClusterState) -> None:
+        core = self.core
+        spec = self.ep.spec if self.ep is not None and self.ep.group is not None else None
+        rec = EngineRecord(engine_id=self.engine_id, node_id=self.node_id,
+                           rank=spec.rank if spec else None, epoch=spec.epoch if spec else 0, state=state,
+                           addresses={"pid": str(os.getpid()), "engine_index": str(self.engine_index),
+                                      "num_kv_blocks": str(core.num_kv_blocks if core else 0)},
+                           kv_cache_bytes=core.kv_cache_bytes if core else 0,
+                           kv_source=core.kv_source if core else "",
+                           timings={**(core.init_timings if core else {}), **self.timings},
+                           served_epoch=self._served_epoch, failed_epoch=self._failed_epoch,
+                           error=self._error)
+        try:
+            self._membership.put_engine(rec)
+        except Exception as exc:  # etcd down: remembered and re-written when it returns
+            log.warning("engine %s: record not written now (%s)", self.engine_id, exc)
+
+    def _on_epoch_events(self, events) -> None:
+        for ev in events:
+            if ev.key != self.keys.epoch or ev.value is None:
+                continue
+            try:
+                epoch = decode(ev.key, ev.value, Epoch)
+            except Exception as exc:
+                log.error("undecodable epoch: %s", exc)
+                continue
+            with self._epoch_lock:
+                if self._latest_epoch is None or epoch.number > self._latest_epoch.number:
+                    self._latest_epoch = epoch
+            self.input_queue.put((None, b"\x00wakeup-epoch", None))
+
+    def _spec_for(self, epoch: Epoch) -> EPSpec:
+        rank = epoch.ranks.index(self.engine_id) if self.engine_id in epoch.ranks else -1
+        backend = "nccl" if self.config.device.startswith("cuda") else "gloo"
+        return EPSpec(epoch=epoch.number, rank=rank, world_size=epoch.world_size, rendezvous=epoch.rendezvous,
+                      expert_map=epoch.expert_map, timeout_s=self.collective_timeout_s, backend=backend,
+                      ranks=list(epoch.ranks))
+
+    def _in_group(self) -> bool:
+        return self.ep is not None and self.ep.group is not None
+
+    def _take_epoch(self) -> EPSpec | None:
+        """The newest epoch not yet taken (None if there is none). Outside a group, an epoch
+        that does not name us is only remembered (and aborts a prepare in progress)."""
+        with self._epoch_lock:
+            epoch = self._latest_epoch
+        if epoch is None:
+            return None
+        current = self.ep.spec.epoch if self._in_group() else -1
+        pending = self.ep.pending.epoch if self.ep is not None and self.ep.pending is not None else -1
+        preparing = self._preparing.epoch if self._preparing is not None else -1
+        if epoch.number <= max(current, pending, preparing, self._seen_epoch):
+            return None
+        spec = self._spec_for(epoch)
+        if spec.rank < 0 and not self._in_group():
+            self._seen_epoch = epoch.number
+            if self._preparing is not None:
+                log.info("engine %s: epoch %d superseded by %d, which does not name us",
+                         self.engine_id, self._preparing.epoch, epoch.number)
+                self._preparing = None
+            return None
+        return spec
+
+    # -- load ---------------------------------------------------------------------------------
+    def _load(self) -> None:
+        t0 = time.monotonic()
+        self._start_cluster()
+        self.timings["cluster_s"] = time.monotonic() - t0  # etcd: connect, lease, record, watch
+        # Load this rank's experts of the newest epoch that names it (else the first share).
+        with self._epoch_lock:
+            epoch = self._latest_epoch
+        from planaria.elastic.planner import expert_map
+        from planaria.engine.models.loader import load_hf_config, spec_from_config
+
+        spec_m = spec_from_config(load_hf_config(self.config.model))
+        if epoch is not None and self.engine_id in epoch.ranks:
+            spec = self._spec_for(epoch)
+        else:
+            w = (epoch.world_size + 1) if epoch is not None else 1
+            spec = EPSpec(epoch=-1, rank=w - 1, world_size=w, rendezvous="", expert_map=expert_map(spec_m.num_experts, w))
+        self.timings["started_at"] = self._started_at
+        self.timings["load_begin_at"] = time.time()
+        self.core = make_ep_core(self.config, spec)
+        self.ep = EPRank(self.core, spec, bind_host=self.bind_host)
+        self.ep.spec = msgspec.structs.replace(spec, epoch=-1)  # not in a group yet
+        self.timings["load_s"] = time.monotonic() - t0
+        if envs.get().gc_freeze:  # now, not between joining the group and READY (0.1-0.2 s)
+            gc.collect()
+            gc.freeze()
+        with self._epoch_lock:  # an epoch from before our READY that names us is a previous
+            stale = self._latest_epoch  # incarnation's membership: never join it (its arrival
+        if stale is not None and self.engine_id in stale.ranks:  # keys are still in the store)
+            self._seen_epoch = max(self._seen_epoch, stale.number)
+        self.timings["ready_at"] = time.time()
+        self._record(ClusterState.READY)
+        self._join_first_group()
+
+    def _join_first_group(self) -> None:
+        """Wait (loaded, READY in etcd) for an epoch that names us and join it. The frontends
+        hear READY only after this, so no request is routed to a rank outside a group."""
+        while not self._in_group():
+            if self._num_signals:
+                log.info("engine %s: stopped before joining a group", self.engine_id)
+                raise SystemExit(EXIT_OK)
+            self._try_join()
+            if not self._in_group():
+                time.sleep(IDLE_POLL_S)
+
+    # -- prepare -> commit ----------------------------------------------------------------------
+    def _try_join(self) -> None:
+        """One non-blocking step toward a group, for a rank outside one: take the newest
+        epoch naming us and arrive (prepare); once every rank of it arrived, form (commit)."""
+        new = self._take_epoch()
+        if new is not None:
+            self._preparing = new
+            try:
+                self.ep.arrive(new)
+            except CollectiveError as exc:
+                self._preparing = None
+                self._group_failed(new.epoch, exc)
+                return
+            self.timings["arrived_at"] = time.time()
+            if self._fault == "stop_after_arrive":
+                self._fault = ""
+                log.warning("engine %s: fault injection: SIGSTOP after arriving at epoch %d",
+                            self.engine_id, new.epoch)
+                os.kill(os.getpid(), signal.SIGSTOP)
+        spec = self._preparing
+        if spec is None:
+            return
+        try:
+            ready = self.ep.all_arrived(spec)
+        except CollectiveError as exc:
+            self._preparing = None
+            self._group_failed(spec.epoch, exc)
+            return
+        if ready:
+            self._preparing = None
+            self._adopt(spec)
+
+    def _joiners_arrived(self, spec: EPSpec) -> bool:
+        try:
+            return self.ep.joiners_arrived(spec)
+        except CollectiveError as exc:  # the store is unreachable: the current group goes on
+            log.warning("engine %s: arrivals of epoch %d unknown: %s", self.engine_id, spec.epoch, exc)
+            return False
+
+    # -- the lockstep loop ---------------------------------------------------------------------
+    def _handle(self, slot, msg_type, msg) -> None:
+        if msg_type == b"\x00wakeup-epoch":
+            return
+        super()._handle(slot, msg_type, msg)
+
+    def _add(self, slot, req) -> None:
+        if self._reforming:  # keep accepting: the request waits for the re-formed group
+            self._req_slot[req.request_id] = slot
+            self.core.add_request(req)
+            return
+        super()._add(slot, req)
+
+    def _busy_loop(self) -> int:
+        try:
+            while True:
+                in_group = self._in_group() and not self._reforming
+                busy = in_group and self.core.has_unfinished_requests()
+                self._process_inputs(block_s=0 if busy else IDLE_POLL_S)
+                if self.state == EngineState.DRAINING:
+                    if not self.core.has_unfinished_requests():
+                        self._stop(aborted=False)
+                    if time.monotonic() >= self._deadline:
+                        self._stop(aborted=True)
+                if not in_group:
+                    self._try_join()
+                    if not self._in_group() and self._reform_deadline is not None \
+                            and time.monotonic() >= self._reform_deadline:
+                        self._die(f"no new epoch within {self.settings.recovery_timeout_s or 120.0} s "
+                                  f"after: {self._fault_reason}")
+                    continue
+                new = self._take_epoch()
+                if new is not None:
+                    self.ep.pending = new
+                has_work = self.state in (EngineState.RUNNING, EngineState.DRAINING) \
+                    and self.core.has_unfinished_requests()
+                pending = self.ep.pending
+                try:
+                    ready = pending is not None and self._joiners_arrived(pending)
+                    any_work, switch = self.ep.sync(has_work, ready)
+                    if switch:
+                        self._adopt(self.ep.pending)
+                        continue
+                    if any_work:
+                        self._ep_step(has_work)
+                except CollectiveError as exc:
+                    self._group_failed(self.ep.spec.epoch, exc)
+        except _Exit as exc:
+            return exc.code
+
+    def _ep_step(self, has_work: bool) -> None:
+        try:
+            outputs, _ = self.core.step(force_forward=True) if has_work else ([], self._dummy())
+        except RequestExecutionError as exc:
+            self._fail_requests(exc.request_ids, f"request execution failed: {exc}")
+            return
+        except CollectiveError:
+            raise
+        except Exception as exc:
+            self._engine_fault(exc)
+            return
+        if outputs:
+            self._publish(outputs)
+
+    def _dummy(self) -> bool:
+        self.core.runner.execute_dummy()
+        self.core.step_counter += 1
+        return True
+
+    def _adopt(self, spec: EPSpec) -> None:
+        """Commit: join `spec`'s group (re-homing experts), or leave when it does not name us."""
+        t0 = time.monotonic()
+        if spec.rank < 0:
+            log.info("engine %s: not in epoch %d: leaving (requests move to survivors)", self.engine_id, spec.epoch)
+            self._record(ClusterState.STOPPED)
+            self._send_dead(f"scaled down: left at epoch {spec.epoch}")
+            self._req_slot.clear()
+            raise _Exit(EXIT_OK)
+        self._forming = True
+        try:
+            self.ep.switch(spec)
+        except Exception as exc:  # noqa: BLE001 - a failed switch never kills the rank
+            self._group_failed(spec.epoch, exc)
+            return
+        finally:
+            self._forming = False
+        self._served_epoch = spec.epoch
+        self.timings["switch_s"] = time.monotonic() - t0
+        self.timings["serving_at"] = time.time()
+        self.timings.update(self.ep.switch_times_s)
+        if self._reforming:
+            self._reforming = False
+            self._reform_deadline = None
+            self._fault_reason = ""
+            self._set_state(EngineState.RUNNING, f"re-formed at epoch {spec.epoch}")
+        log.info("engine %s: rank %d of %d in epoch %d (%.3f s)", self.engine_id, spec.rank, spec.world_size,
+                 spec.epoch, self.timings["switch_s"])
+        from planaria.daemon.logging import bind_process  # every later log line names the rank
+
+        bind_process(rank=spec.rank, epoch=spec.epoch)
+        self._record(ClusterState.SERVING)
+
+    def _group_failed(self, epoch: int, exc: BaseException) -> None:
+        """A collective, or the switch to ``epoch``, failed (a peer died, hung, or never
+        came). Requests are kept; the rank reports the failed epoch in etcd and waits for
+        the leader's next epoch (a re-form without the lost rank, or an abort)."""
+        log.error("engine %s: group of epoch %d failed: %s", self.engine_id, epoch, exc)
+        if self.core is not None:
+            self.core.recover_after_fault()
+        self._seen_epoch = max(self._seen_epoch, epoch)  # a failed epoch is never formed again
+        self.ep.leave()
+        self._failed_epoch, self._error = epoch, f"{type(exc).__name__}: {exc}"[:400]
+        if self.state != EngineState.STARTING:  # a rank that served: UNHEALTHY until re-formed
+            self._reforming = True
+            self._fault_reason = str(exc)
+            if self._reform_deadline is None:
+                self._reform_deadline = time.monotonic() + (self.settings.recovery_timeout_s or 120.0)
+            if self.state == EngineState.RUNNING:
+                # Not said to the frontends: this rank keeps taking requests (they queue
+                # until the group is back), so they must keep routing to it.
+                self.state = EngineState.UNHEALTHY
+        self._record(ClusterState.UNHEALTHY)
+
+    def _heartbeat(self):
+        """Waiting for (or forming) a group, or on a peer inside a collective, is not a hang:
+        report no work meanwhile, so the supervisor's hang detector only judges ranks that
+        could step (a peer that hangs is the one it kills: it is silent, or stuck outside a
+        collective; the collective timeout bounds the wait of the others)."""
+        beat = super()._heartbeat()
+        group = self.ep.group if self.ep is not None else None
+        waiting = group is not None and group.waiting_since is not None \
+            and time.monotonic() - group.waiting_since > COLLECTIVE_WAIT_S
+        if group is None or self._reforming or self._forming or waiting:
+            beat = msgspec.structs.replace(beat, has_work=False)
+        return beat
+
+    # -- utilities -----------------------------------------------------------------------------
+    def _u_get_info(self) -> dict:
+        info = super()._u_get_info()
+        spec = self.ep.spec if self.ep else None
+        info.update(engine_id=self.engine_id, epoch=spec.epoch if spec else None,
+                    rank=spec.rank if spec else None, timings=self.timings)
+        return info
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m planaria.elastic.ep_proc", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--engine-index", type=int, required=True)
+    p.add_argument("--engine-id", required=True)
+    p.add_argument("--node-id", default="node0")
+    p.add_argument("--input-addr", action="append", required=True)
+    p.add_argument("--config-json", required=True)
+    p.add_argument("--settings-json")
+    p.add_argument("--etcd-endpoints", required=True, help="comma-separated host:port list")
+    p.add_argument("--cluster", default="default")
+    p.add_argument("--lease-ttl-s", type=float, default=3.0)
+    p.add_argument("--collective-timeout-s", type=float, default=10.0)
+    p.add_argument("--bind-host", default=None,
+                   help="the address gloo binds (this node's routable address; default: the one "
+                        "that routes to the rendezvous store)")
+    args = p.parse_args(argv)
+    try:
+        config = msgspec.convert(_json_arg(args.config_json), EngineConfig)
+        config.validate()
+        settings = msgspec.convert(_json_arg(args.settings_json), ProcSettings) if args.settings_json else None
+    except Exception as exc:  # bad JSON or a bad config value: usage error
+        print(f"elastic.ep_proc: bad arguments: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    settings = settings or ProcSettings()
+    try:  # TLS files, user and password file come through the environment (never argv)
+        security = EtcdSecurity.from_env().validate()
+    except ValueError as exc:
+        print(f"elastic.ep_proc: bad etcd settings in the environment: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    _setup_logging(args.engine_index, settings.log_level)
+    proc = EPEngineCoreProc(args.engine_index, args.engine_id, args.node_id, args.input_addr, config,
+                            args.etcd_endpoints.split(","), args.cluster, settings, args.lease_ttl_s,
+                            args.collective_timeout_s, etcd_security=security, bind_host=args.bind_host)
+    try:
+        return proc.run()
+    finally:
+        if proc._watch is not None:
+            proc._watch.stop()
+        if proc._membership is not None:
+            proc._membership.close(revoke=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

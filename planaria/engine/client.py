@@ -1,0 +1,468 @@
+"""EngineClient: a frontend's asyncio view of N engine-core processes over ZMQ.
+
+It binds a ROUTER (requests out, HELLO/READY in) and a PULL (outputs in); engines connect.
+One reader task per socket dispatches into per-request queues, so a generate costs one
+send and one queue hand-off per message. Every engine is shown in ``client.engines``.
+
+    client = EngineClient(num_engines=2, runtime_dir=tmp)   # ipc paths in tmp
+    await client.start()                                      # waits for 2 READY
+    async for out in client.generate(request): ...            # EngineCoreOutput until finished
+    await client.abort(request_id)                            # also on leaving the loop early
+    await client.call_utility(0, "get_stats")
+    await client.close()
+
+Faults: ENGINE_CORE_DEAD (from the engine, or from any sender on the PULL socket, or
+``mark_engine_dead`` for the supervisor) makes every in-flight generate on that engine
+raise ``EngineDeadError``; an engine STATUS that dropped its requests raises
+``EngineFaultError`` there. Both mean "replay elsewhere". New requests go to the
+least-loaded running engine; a restarted engine (new HELLO) is accepted again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+import time
+from typing import Any, AsyncIterator, Callable
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from planaria.engine.errors import (EngineDeadError, EngineFaultError, EngineHandshakeError,
+                           NoEngineAvailableError, UtilityCallError, WireFormatError)
+from planaria.engine.messages import EngineCoreOutput, EngineCoreRequest, SchedulerStats
+from planaria.engine.wire import (DEFAULT_MAX_MESSAGE_BYTES, FRONTEND_INPUT_TYPES, PROTOCOL_VERSION,
+                         AbortRequests, HandshakeInit, HandshakeReject, MsgType, Shutdown,
+                         UtilityCall, WireDecoder, WireEncoder, engine_identity, engine_index_of)
+
+log = logging.getLogger(__name__)
+
+_MAX_IPC_PATH = 100  # sun_path is 107 bytes on Linux; stay clear of it
+
+
+@dataclass
+class EngineInfo:
+    """What the client knows of one engine. ``state`` is an engine.proc.EngineState value,
+    or "connecting" (HELLO seen), "refused" (handshake refused), "unreachable" (send failed)."""
+
+    index: int
+    state: str = "connecting"
+    pid: int | None = None
+    stats: SchedulerStats | None = None
+    num_in_flight: int = 0  # this client's requests on it
+    num_kv_blocks: int = 0
+    max_model_len: int = 0
+    config_hash: str = ""
+    kv_cache_bytes: int = 0
+    kv_source: str = ""
+    reason: str = ""
+    num_handshakes: int = 0
+    died_at_s: float = 0.0  # time.time() when this client learnt of its last death
+    # the engine's time.monotonic() at the fatal fault its last ENGINE_CORE_DEAD reported
+    # (comparable with this process's time.monotonic()); 0.0 when not reported
+    fault_monotonic_s: float = 0.0
+    ready_at_s: float = 0.0  # time.time() of its last READY
+
+    @property
+    def healthy(self) -> bool:
+        return self.state == "running"
+
+    @property
+    def load(self) -> int:
+        published = self.stats.num_running + self.stats.num_waiting if self.stats else 0
+        return published + self.num_in_flight
+
+
+class _Stream:
+    __slots__ = ("engine_index", "queue")
+
+    def __init__(self, engine_index: int) -> None:
+        self.engine_index = engine_index
+        self.queue: asyncio.Queue = asyncio.Queue()
+
+
+def ipc_addresses(runtime_dir: str | Path, client_index: int = 0) -> tuple[str, str]:
+    """The (ROUTER, PULL) ipc addresses of frontend ``client_index`` under ``runtime_dir``."""
+    base = Path(runtime_dir)
+    addrs = (f"ipc://{base / f'fe{client_index}-in'}", f"ipc://{base / f'fe{client_index}-out'}")
+    for a in addrs:
+        if len(a) - len("ipc://") > _MAX_IPC_PATH:
+            raise ValueError(f"ipc path {a} is longer than {_MAX_IPC_PATH} bytes; use a shorter runtime dir")
+    return addrs
+
+
+class EngineClient:
+    def __init__(self, num_engines: int, runtime_dir: str | Path | None = None, *,
+                 client_index: int = 0, input_address: str | None = None,
+                 output_address: str | None = None, engine_config: Any = None,
+                 expected_config_hash: str | None = None,
+                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> None:
+        """Addresses: ipc under ``runtime_dir``, else the given ones, else tcp loopback on
+        free ports. ``engine_config`` (EngineConfig or dict) is handed to engines started
+        without one. ``expected_config_hash`` None: every engine must match the first."""
+        if runtime_dir is not None:
+            input_address, output_address = ipc_addresses(runtime_dir, client_index)
+        self.num_engines = num_engines
+        self.client_index = client_index
+        self.input_address = input_address or "tcp://127.0.0.1:*"
+        self.output_address = output_address or "tcp://127.0.0.1:*"
+        self.engine_config = engine_config
+        self.expected_config_hash = expected_config_hash
+        # on_iteration_details(engine_index, [IterationDetails]): the engines' step records
+        self.on_iteration_details: Callable[[int, list], None] | None = None
+        self._engines: dict[int, EngineInfo] = {}
+        self._streams: dict[str, _Stream] = {}
+        self._calls: dict[int, tuple[int, asyncio.Future]] = {}
+        self._call_ids = itertools.count(1)
+        self._rr = itertools.count()
+        self._waiters: list[asyncio.Future] = []
+        self._enc = WireEncoder(reuse_buffer=False)
+        self._dec = WireDecoder(FRONTEND_INPUT_TYPES, max_message_bytes=max_message_bytes)
+        self._ctx: zmq.asyncio.Context | None = None
+        self._tasks: list[asyncio.Task] = []
+        self._closed = False
+        # fn(engine_index, reason), on the loop, when an engine's in-flight work is lost
+        # (death, restart, dropped requests) just before its generates raise
+        self.loss_listeners: list[Callable[[int, str], None]] = []
+
+    # -- lifecycle --------------------------------------------------------------------------
+    @property
+    def engines(self) -> list[EngineInfo]:
+        return [self._engines[i] for i in sorted(self._engines)]
+
+    def bind(self) -> tuple[str, str]:
+        """Bind both sockets (idempotent); returns the (ROUTER, PULL) addresses to give engines."""
+        if self._ctx is not None:
+            return self.input_address, self.output_address
+        self._ctx = zmq.asyncio.Context()
+        self._router = self._ctx.socket(zmq.ROUTER)
+        self._router.setsockopt(zmq.ROUTER_MANDATORY, 1)  # unknown engine: an error, not a drop
+        self._router.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted engine takes its identity
+        self._router.setsockopt(zmq.LINGER, 0)
+        self._router.bind(self.input_address)
+        self.input_address = self._router.getsockopt(zmq.LAST_ENDPOINT).decode()
+        self._pull = self._ctx.socket(zmq.PULL)
+        self._pull.setsockopt(zmq.LINGER, 0)
+        self._pull.bind(self.output_address)
+        self.output_address = self._pull.getsockopt(zmq.LAST_ENDPOINT).decode()
+        return self.input_address, self.output_address
+
+    async def start(self, wait_ready: bool = True, timeout_s: float = 300.0) -> None:
+        self.bind()
+        if not self._tasks:
+            self._tasks = [asyncio.create_task(self._router_loop(), name="engine-client-router"),
+                           asyncio.create_task(self._pull_loop(), name="engine-client-pull")]
+        if wait_ready:
+            await self.wait_for_engines(self.num_engines, timeout_s)
+
+    async def wait_for_engines(self, num_engines: int, timeout_s: float) -> None:
+        """Until ``num_engines`` engines are running. Raises EngineHandshakeError on a
+        refused engine or at the timeout (with every engine's state)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while True:
+            refused = [e for e in self._engines.values() if e.state == "refused"]
+            if refused:
+                raise EngineHandshakeError("; ".join(f"engine {e.index}: {e.reason}" for e in refused))
+            if sum(e.healthy for e in self._engines.values()) >= num_engines:
+                return
+            left = deadline - loop.time()
+            if left <= 0:
+                states = ", ".join(f"{e.index}={e.state}{f' ({e.reason})' if e.reason else ''}"
+                                   for e in self.engines) or "none connected"
+                raise EngineHandshakeError(f"{num_engines} engine(s) not ready within {timeout_s} s: {states}")
+            waiter = loop.create_future()
+            self._waiters.append(waiter)
+            try:
+                await asyncio.wait_for(waiter, left)
+            except asyncio.TimeoutError:
+                pass
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            try:
+                await task
+            except (asyncio.CancelledError, Exception):
+                pass
+        for index in list(self._engines):
+            self._fail_engine(index, EngineFaultError, "the engine client closed")
+        if self._ctx is not None:
+            self._router.close(linger=0)
+            self._pull.close(linger=0)
+            self._ctx.term()
+
+    # -- requests ---------------------------------------------------------------------------
+    async def generate(self, request: EngineCoreRequest) -> AsyncIterator[EngineCoreOutput]:
+        """Yield the request's outputs until the finished one. Leaving early aborts it."""
+        rid = request.request_id
+        stream = self._submit(request)
+        finished = False
+        try:
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    finished = True  # the engine no longer has it
+                    raise item
+                finished = item.finish_reason is not None
+                yield item
+                if finished:
+                    return
+        finally:
+            if self._streams.get(rid) is stream:
+                del self._streams[rid]
+                info = self._engines.get(stream.engine_index)
+                if info is not None:
+                    info.num_in_flight -= 1
+            if not finished:
+                self._send(stream.engine_index, MsgType.ABORT, AbortRequests(request_ids=[rid]))
+
+    def engine_of(self, request_id: str) -> int | None:
+        """The engine an in-flight request was sent to (None once it ended)."""
+        stream = self._streams.get(request_id)
+        return None if stream is None else stream.engine_index
+
+    async def abort(self, request_id: str) -> None:
+        stream = self._streams.get(request_id)
+        if stream is not None:
+            self._send(stream.engine_index, MsgType.ABORT, AbortRequests(request_ids=[request_id]))
+            stream.queue.put_nowait(EngineCoreOutput(request_id=request_id, finish_reason="abort"))
+
+    def _submit(self, request: EngineCoreRequest) -> _Stream:
+        if self._closed or self._ctx is None:
+            raise RuntimeError("the engine client is not started, or closed")
+        rid = request.request_id
+        if rid in self._streams:
+            raise ValueError(f"request id {rid!r} is already in flight on this client")
+        if request.client_index != self.client_index:
+            request = msgspec.structs.replace(request, client_index=self.client_index)
+        tried: set[int] = set()
+        while True:
+            index = self._pick_engine(tried)
+            tried.add(index)
+            if self._send(index, MsgType.ADD, request):
+                stream = self._streams[rid] = _Stream(index)
+                self._engines[index].num_in_flight += 1
+                return stream
+
+    def _pick_engine(self, exclude: set[int]) -> int:
+        candidates = [e for e in self._engines.values() if e.healthy and e.index not in exclude]
+        if not candidates:
+            states = ", ".join(f"{e.index}={e.state}" for e in self.engines) or "none connected"
+            raise NoEngineAvailableError(f"no running engine can take the request ({states})")
+        turn = next(self._rr)
+        n = len(candidates)
+        return min(enumerate(candidates), key=lambda ie: (ie[1].load, (ie[0] - turn) % n))[1].index
+
+    def _send(self, index: int, msg_type: bytes, msg: Any) -> bool:
+        """Send to one engine now. False (and the engine marked unreachable) when it is
+        not connected; a send that has to wait (HWM) completes later."""
+        frames = [engine_identity(index), *self._enc.encode(msg_type, msg)]
+        fut = self._router.send_multipart(frames, copy=False)
+        if fut.done():
+            exc = fut.exception()
+            if exc is None:
+                return True
+            if isinstance(exc, zmq.ZMQError) and exc.errno == zmq.EHOSTUNREACH:
+                info = self._engines.get(index)
+                if info is not None and info.state in ("running", "paused", "draining"):
+                    self._set_state(info, "unreachable", "not connected to this frontend")
+                return False
+            raise exc
+        fut.add_done_callback(_log_send_failure)
+        return True
+
+    # -- utilities, control -----------------------------------------------------------------
+    async def call_utility(self, engine_index: int, method: str, args: dict | None = None,
+                           timeout_s: float | None = 30.0) -> Any:
+        info = self._engines.get(engine_index)
+        if info is None or info.state in ("dead", "stopped", "refused", "connecting"):
+            raise EngineDeadError(engine_index, None, f"engine is {info.state if info else 'unknown'}")
+        call_id = next(self._call_ids)
+        fut = asyncio.get_running_loop().create_future()
+        self._calls[call_id] = (engine_index, fut)
+        try:
+            if not self._send(engine_index, MsgType.UTILITY,
+                              UtilityCall(call_id=call_id, method=method, args=args or {})):
+                raise EngineDeadError(engine_index, None, "engine is not connected")
+            return await asyncio.wait_for(fut, timeout_s)
+        finally:
+            self._calls.pop(call_id, None)
+
+    def shutdown_engine(self, engine_index: int, drain_timeout_s: float | None = None) -> bool:
+        """Ask one engine to drain and exit (0: abort its work now)."""
+        return self._send(engine_index, MsgType.SHUTDOWN, Shutdown(drain_timeout_s=drain_timeout_s))
+
+    def mark_engine_dead(self, engine_index: int, reason: str, pid: int | None = None,
+                         fault_monotonic_s: float | None = None) -> None:
+        """The supervisor's report (call on the client's event loop): fail the engine's work.
+
+        With ``pid``, a report about an older incarnation than the one connected is ignored.
+        ``fault_monotonic_s``: when the engine hit the fault (its own ENGINE_CORE_DEAD).
+        """
+        info = self._engines.get(engine_index)
+        if info is None:
+            info = self._engines[engine_index] = EngineInfo(index=engine_index, state="dead")
+        if pid is not None and info.pid is not None and pid != info.pid:
+            log.info("ignoring a death report for engine %d pid %d (now pid %d)", engine_index, pid, info.pid)
+            return
+        if info.state != "dead":
+            info.died_at_s = time.time()
+        if fault_monotonic_s is not None:
+            info.fault_monotonic_s = fault_monotonic_s
+        self._set_state(info, "dead", reason)
+        self._fail_engine(engine_index, EngineDeadError, reason)
+
+    def _fail_engine(self, index: int, error_type: type, reason: str) -> None:
+        if not self._closed:
+            for listener in self.loss_listeners:
+                try:
+                    listener(index, reason)
+                except Exception:
+                    log.exception("engine loss listener failed")
+        for rid, stream in self._streams.items():
+            if stream.engine_index == index:
+                stream.queue.put_nowait(error_type(index, rid, reason))
+        for call_index, fut in self._calls.values():
+            if call_index == index and not fut.done():
+                fut.set_exception(error_type(index, None, reason))
+
+    def _set_state(self, info: EngineInfo, state: str, reason: str = "") -> None:
+        if info.state != state:
+            log.info("engine %d: %s -> %s %s", info.index, info.state, state, reason)
+        info.state, info.reason = state, reason
+        waiters, self._waiters = self._waiters, []
+        for w in waiters:
+            if not w.done():
+                w.set_result(None)
+
+    # -- reader tasks -----------------------------------------------------------------------
+    async def _router_loop(self) -> None:
+        while True:
+            frames = await self._router.recv_multipart(copy=False)
+            identity, frames = frames[0].bytes, [f.buffer for f in frames[1:]]
+            try:
+                msg_type, msg = self._dec.decode(frames)
+            except WireFormatError as exc:
+                log.warning("bad message from engine identity %r: %s", identity, exc)
+                continue
+            if msg_type == MsgType.HELLO:
+                self._on_hello(identity, msg)
+            elif msg_type == MsgType.READY:
+                self._on_ready(identity, msg)
+            else:
+                log.warning("unexpected %r on the ROUTER socket", msg_type)
+
+    def _on_hello(self, identity: bytes, hello) -> None:
+        index = engine_index_of(identity)
+        if index != hello.engine_index:
+            log.warning("HELLO from identity %d says engine %d", index, hello.engine_index)
+        info = self._engines.setdefault(index, EngineInfo(index=index))
+        if hello.protocol_version != PROTOCOL_VERSION:
+            reason = (f"engine {index} (pid {hello.pid}) speaks protocol {hello.protocol_version}, "
+                      f"this frontend speaks {PROTOCOL_VERSION}")
+            log.error("refusing engine: %s", reason)
+            info.pid = hello.pid
+            self._set_state(info, "refused", reason)
+            self._reply(identity, MsgType.HANDSHAKE_REJECT, HandshakeReject(reason=reason))
+            return
+        if info.pid != hello.pid:  # a new incarnation: what the old one had is lost
+            if info.pid is not None:
+                if info.state != "dead":  # it died unreported
+                    info.died_at_s = time.time()
+                self._fail_engine(index, EngineDeadError, f"engine restarted (pid {info.pid} -> {hello.pid})")
+            info.pid = hello.pid
+            info.stats = None
+            self._set_state(info, "connecting")
+        settings: dict[str, Any] = {"client_index": self.client_index}
+        if self.engine_config is not None:
+            settings["engine_config"] = msgspec.to_builtins(self.engine_config)
+        self._reply(identity, MsgType.HANDSHAKE_INIT, HandshakeInit(
+            addresses={"output": self.output_address}, settings=settings))
+
+    def _on_ready(self, identity: bytes, ready) -> None:
+        index = engine_index_of(identity)
+        info = self._engines.setdefault(index, EngineInfo(index=index, pid=ready.pid))
+        expected = self.expected_config_hash or next(
+            (e.config_hash for e in self._engines.values() if e.config_hash and e.index != index), None)
+        if ready.protocol_version != PROTOCOL_VERSION or (expected and ready.config_hash != expected):
+            reason = (f"engine {index} config hash {ready.config_hash} / protocol {ready.protocol_version} "
+                      f"does not match this frontend's {expected} / {PROTOCOL_VERSION}")
+            log.error("refusing engine: %s", reason)
+            self._set_state(info, "refused", reason)
+            # the engine logs the reason and exits with EXIT_CONFIG_MISMATCH
+            self._reply(identity, MsgType.HANDSHAKE_REJECT, HandshakeReject(reason=reason))
+            return
+        info.pid = ready.pid or info.pid
+        info.num_kv_blocks, info.max_model_len = ready.num_kv_blocks, ready.max_model_len
+        info.config_hash, info.kv_cache_bytes = ready.config_hash, ready.kv_cache_bytes
+        info.kv_source = ready.kv_source
+        info.num_handshakes += 1
+        info.ready_at_s = time.time()
+        self._set_state(info, "running")
+
+    def _reply(self, identity: bytes, msg_type: bytes, msg: Any) -> None:
+        fut = self._router.send_multipart([identity, *self._enc.encode(msg_type, msg)])
+        fut.add_done_callback(_log_send_failure)
+
+    async def _pull_loop(self) -> None:
+        while True:
+            frames = await self._pull.recv_multipart(copy=False)
+            try:
+                msg_type, msg = self._dec.decode([f.buffer for f in frames])
+            except WireFormatError as exc:
+                log.warning("bad message on the PULL socket: %s", exc)
+                continue
+            if msg_type == MsgType.OUTPUTS:
+                self._on_outputs(msg)
+            elif msg_type == MsgType.UTILITY_RESULT:
+                entry = self._calls.get(msg.call_id)
+                if entry is not None and not entry[1].done():
+                    if msg.ok:
+                        entry[1].set_result(msg.result)
+                    else:
+                        entry[1].set_exception(UtilityCallError(msg.error or "utility call failed"))
+            elif msg_type == MsgType.ENGINE_CORE_DEAD:
+                self.mark_engine_dead(msg.engine_index, msg.reason, msg.pid, msg.fault_monotonic_s)
+            elif msg_type == MsgType.STATUS:
+                self._on_status(msg)
+            elif msg_type == MsgType.ERROR:
+                log.warning("engine %d could not use a message: %s", msg.engine_index, msg.message)
+            else:
+                log.warning("unexpected %r on the PULL socket", msg_type)
+
+    def _on_outputs(self, outs) -> None:
+        info = self._engines.get(outs.engine_index)
+        if info is not None and outs.scheduler_stats is not None:
+            info.stats = outs.scheduler_stats
+        if outs.iteration_details and self.on_iteration_details is not None:
+            self.on_iteration_details(outs.engine_index, outs.iteration_details)
+        streams = self._streams
+        for out in outs.outputs:
+            stream = streams.get(out.request_id)
+            if stream is not None:
+                stream.queue.put_nowait(out)
+
+    def _on_status(self, status) -> None:
+        info = self._engines.get(status.engine_index)
+        if info is None or (status.pid and info.pid and status.pid != info.pid):
+            return  # an older incarnation
+        if info.state == "refused":
+            return
+        self._set_state(info, status.state, status.reason)
+        if status.requests_dropped or status.state in ("stopped", "dead"):
+            error_type = EngineDeadError if status.state in ("stopped", "dead") else EngineFaultError
+            self._fail_engine(status.engine_index, error_type, status.reason or status.state)
+
+
+def _log_send_failure(fut: asyncio.Future) -> None:
+    if not fut.cancelled() and fut.exception() is not None:
+        log.warning("engine client send failed: %s", fut.exception())

@@ -1,0 +1,429 @@
+"""EngineCore: scheduler + KV cache + model runner, stepped by a busy loop (engine/proc.py)
+or by the offline LLM API (engine/llm.py)."""
+
+from __future__ import annotations
+
+import queue
+import time
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import structlog
+
+from planaria.engine.config import EngineConfig
+from planaria.engine.errors import EngineError, InvalidRequestError, KVCacheTooSmallError, WeightLoadError
+from planaria.engine.iteration_details import IterationRecorder, scheduler_dump
+from planaria.engine.kv_cache_manager import KVCacheManager
+from planaria.engine.messages import EngineCoreOutput, EngineCoreRequest, SchedulerStats
+from planaria.engine.model_runner import ModelRunner
+from planaria.engine.models.loader import load_hf_config, model_fingerprint, sliding_window_limit
+from planaria.engine.request import FINISH_REASONS, Request, RequestStatus
+from planaria.engine.sampling_metadata import PRIOR_OUTPUT_TOKENS_KEY
+from planaria.engine.scheduler import Scheduler, SchedulerOutput
+from planaria.engine.structured_output import StructuredOutputManager
+
+log = structlog.get_logger("planaria.engine")
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, expert_range=None, progress=None) -> None:
+        config.validate()
+        self.config = config
+        t_config = time.monotonic()
+        hf_config = load_hf_config(config.model)  # the first call imports transformers
+        config_s = time.monotonic() - t_config
+        max_len = config.max_model_len or hf_config.max_position_embeddings
+        window = sliding_window_limit(hf_config)
+        if window and max_len > window:
+            log.warning("capping max_model_len to the sliding window", window=window)
+            max_len = window
+        t_load = time.monotonic()
+        self.runner = ModelRunner(config, max_len, expert_range, progress, hf_config=hf_config)
+        # weights_s: model build and weight read (build_s, read_s); config_s: config.json
+        self.init_timings = {"weights_s": time.monotonic() - t_load, **self.runner.load_timings,
+                             "config_s": config_s}
+        self.vocab_size = self.runner.spec.vocab_size
+        self.model_fingerprint = model_fingerprint(config.model)
+        self.weight_version = self.model_fingerprint
+        self._weight_update = None  # engine.weight_update.WeightLoad: reading, or waiting for its step boundary
+        self.last_weight_load = None  # the last one applied or failed (weight_status)
+        self.iterations = IterationRecorder() if config.iteration_details else None
+
+        # KV sizing: an explicit figure skips profiling (a scale-up launch reuses one).
+        self.profile = None
+        if config.num_kv_blocks:
+            kv_bytes = config.num_kv_blocks * self.runner.bytes_per_block
+            self.kv_source = config.kv_source or "given"
+        elif config.kv_cache_bytes:
+            kv_bytes = config.kv_cache_bytes
+            self.kv_source = config.kv_source or "given"
+        else:
+            self.profile = self.runner.profile()
+            self.init_timings["profile_s"] = self.profile.profile_s
+            kv_bytes = self.profile.kv_cache_bytes
+            self.kv_source = "profiled"
+            log.info("memory profiled", budget_bytes=self.profile.budget_bytes,
+                     weights_bytes=self.profile.weights_bytes,
+                     peak_activation_bytes=self.profile.peak_activation_bytes, kv_cache_bytes=kv_bytes)
+        if kv_bytes < self.runner.bytes_per_block:
+            raise KVCacheTooSmallError(
+                f"KV cache budget {kv_bytes} bytes is below one block ({self.runner.bytes_per_block} bytes)")
+        t_kv = time.monotonic()
+        self.num_kv_blocks = self.runner.init_kv_cache(kv_bytes)
+        self.init_timings["kv_alloc_s"] = time.monotonic() - t_kv
+        self.kv_cache_bytes = self.num_kv_blocks * self.runner.bytes_per_block
+        capacity = self.num_kv_blocks * config.block_size
+        if capacity < max_len and config.strict_max_model_len:
+            raise KVCacheTooSmallError(
+                f"KV cache holds {capacity} tokens ({self.num_kv_blocks} blocks of {config.block_size}), "
+                f"below max_model_len={max_len}; lower max_model_len, raise the KV budget, or unset "
+                "strict_max_model_len to let the engine lower max_model_len to fit")
+        if capacity < max_len:
+            log.warning("KV cache cannot hold one max_model_len sequence; lowering max_model_len",
+                        max_model_len=max_len, kv_capacity_tokens=capacity)
+            max_len = capacity
+        self.max_model_len = max_len
+
+        self.kv = KVCacheManager(self.num_kv_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
+                                   max_len, config.scheduling_policy, config.enable_chunked_prefill)
+        self.structured = StructuredOutputManager(config.tokenizer or config.model, self.vocab_size)
+        self.runner.structured = self.structured  # grammar bitmasks, filled during the forward
+        # Aborts from another thread (queue_aborts), applied between a forward and its output
+        # update, so an abort that arrives mid-forward yields no token of that step.
+        self.aborts_queue: queue.Queue[list[Request]] = queue.Queue()
+        self._pending_outputs: list[EngineCoreOutput] = []
+        self.step_counter = 0
+        self._inflight: SchedulerOutput | None = None
+        self.batch_queue: deque[tuple[Future, SchedulerOutput]] = deque()
+        self._executor = (ThreadPoolExecutor(1, thread_name_prefix="model-exec")
+                          if config.max_concurrent_batches > 1 else None)
+
+    # -- requests ---------------------------------------------------------------------------
+    def add_request(self, ecr: EngineCoreRequest) -> None:
+        """Never raises for bad input: the request gets an error output on the next step."""
+        try:
+            req = self._make_request(ecr)
+        except InvalidRequestError as exc:
+            self._pending_outputs.append(EngineCoreOutput(
+                request_id=str(getattr(ecr, "request_id", "")), finish_reason="error", error=str(exc)))
+            return
+        self.scheduler.add_request(req)
+
+    def _make_request(self, ecr: EngineCoreRequest) -> Request:
+        rid = ecr.request_id
+        if not isinstance(rid, str) or not rid:
+            raise InvalidRequestError("request_id must be a non-empty string")
+        if rid in self.scheduler.requests:
+            raise InvalidRequestError(f"request id {rid!r} is already in use")
+        ids = ecr.prompt_token_ids
+        self.check_prompt(ids)
+        params = ecr.sampling_params
+        params.validate(self.vocab_size, self.config.max_logprobs)
+        room = self.max_model_len - len(ids)
+        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        req = Request(rid, ids, params, ecr.eos_token_id, max_tokens,
+                      arrival_time=ecr.arrival_time or None, priority=ecr.priority)
+        prior = ecr.num_prior_output_tokens
+        if prior:
+            if not isinstance(prior, int) or isinstance(prior, bool) or not 0 < prior < len(ids):
+                raise InvalidRequestError(
+                    f"num_prior_output_tokens must be in [0, {len(ids) - 1}], got {prior!r}")
+            req.extra[PRIOR_OUTPUT_TOKENS_KEY] = prior
+        if params.logprobs is not None:
+            req.output_logprobs = []
+        if ecr.structured_output is not None:  # waits as WAITING_FOR_GRAMMAR until compiled
+            self.structured.submit(req, ecr.structured_output, ecr.structured_output_prefix_tokens)
+        return req
+
+    def check_prompt(self, ids) -> None:
+        if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise InvalidRequestError("prompt_token_ids must be a list of integers")
+        if not ids:
+            raise InvalidRequestError("prompt is empty")
+        if len(ids) >= self.max_model_len:
+            raise InvalidRequestError(
+                f"prompt has {len(ids)} tokens; the maximum context length is {self.max_model_len} "
+                "(prompt plus at least one generated token)")
+        lo, hi = min(ids), max(ids)
+        if lo < 0 or hi >= self.vocab_size:
+            raise InvalidRequestError(
+                f"prompt token id {lo if lo < 0 else hi} is outside the vocabulary [0, {self.vocab_size})")
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        for req in self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED):
+            self._pending_outputs.append(self._output(req, []))
+
+    def queue_aborts(self, request_ids: list[str]) -> None:
+        """Thread-safe (the engine process's input thread calls it while the loop is in a
+        forward): abort these requests at the loop's next abort point, which is between
+        the running forward and its output update, or the start of the next step.
+
+        Ids are resolved to their Request objects now (a dict read, atomic under the GIL)
+        and an abort applies only if that same object is still the live request, so a
+        queued abort never hits a later request that reuses the id. Unknown ids (not added
+        yet, or finished) are skipped: the caller keeps its ordered abort path for those."""
+        reqs = [req for req in map(self.scheduler.requests.get, request_ids) if req is not None]
+        if reqs:
+            self.aborts_queue.put(reqs)
+
+    def fail_requests(self, request_ids: list[str], error: str) -> None:
+        for req in self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ERROR):
+            req.error = error
+            self._pending_outputs.append(self._output(req, []))
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests() or bool(self._pending_outputs) or (
+            self._weight_update is not None and self._weight_update.read_done)  # a swap (or its failure) is due
+
+    # -- stepping ---------------------------------------------------------------------------
+    def step(self, force_forward: bool = False) -> tuple[list[EngineCoreOutput], bool]:
+        """One scheduling step. ``force_forward`` (expert parallelism): run a forward even
+        when nothing is schedulable, so every rank joins the step's collectives."""
+        step_t0 = time.perf_counter()
+        self._process_aborts_queue()  # those that came in since the last step
+        outputs = self._take_pending()
+        if self._weight_update is not None:
+            self._maybe_swap_weights()
+        if self.structured.num_pending:
+            outputs.extend(self._poll_grammars())
+        sched = self.scheduler.schedule() if self.scheduler.has_schedulable_requests() else None
+        if sched is None or sched.empty:
+            if force_forward:
+                self.runner.execute_dummy()
+                self.step_counter += 1
+                return outputs, True
+            return outputs, False
+        self._inflight = sched
+        result = self._execute_guarded(sched)
+        self._inflight = None
+        self._process_aborts_queue()
+        outputs.extend(self._update(sched, result))
+        if self.iterations is not None:
+            self.iterations.record(self.step_counter - 1, sched, time.perf_counter() - step_t0, self.scheduler)
+        if self._weight_update is not None:  # the last old request may just have finished
+            self._maybe_swap_weights()
+        return outputs + self._take_pending(), True
+
+    def recover_after_fault(self) -> None:
+        """After an engine-level fault inside a step: roll the in-flight batch back so its
+        requests recompute that step (their KV for it may be partly written)."""
+        for sched in [self._inflight] + [s for _, s in self.batch_queue]:
+            if sched is None:
+                continue
+            for sr in sched.scheduled:
+                sr.req.in_flight = False
+                if sr.req.status == RequestStatus.RUNNING and sr.req.num_computed_tokens > sr.start_pos:
+                    sr.req.num_computed_tokens = sr.start_pos
+        self._inflight = None
+        self.batch_queue.clear()
+
+    def step_with_batch_queue(self) -> tuple[list[EngineCoreOutput] | None, bool]:
+        """Keep up to max_concurrent_batches in flight: schedule and submit a new batch
+        while an earlier one runs; block only when the queue is full or nothing else
+        can be scheduled."""
+        if self._executor is None:
+            return self.step()
+        self._process_aborts_queue()
+        outputs = self._take_pending()
+        if self._weight_update is not None:
+            self._maybe_swap_weights()
+        if self.structured.num_pending:
+            outputs.extend(self._poll_grammars())
+        executed = False
+        if len(self.batch_queue) < self.config.max_concurrent_batches and self.scheduler.has_schedulable_requests():
+            sched = self.scheduler.schedule()
+            if not sched.empty:
+                self.batch_queue.appendleft((self._executor.submit(self._execute_guarded, sched), sched))
+                executed = True
+                if len(self.batch_queue) < self.config.max_concurrent_batches:
+                    return outputs or None, executed
+        if not self.batch_queue:
+            return outputs or None, executed
+        future, sched = self.batch_queue.pop()
+        wait_t0 = time.perf_counter()
+        result = future.result()
+        self._process_aborts_queue()
+        outputs.extend(self._update(sched, result))
+        if self.iterations is not None:  # step_s: the wait for the batch plus its update
+            self.iterations.record(self.step_counter - 1, sched, time.perf_counter() - wait_t0, self.scheduler)
+        outputs.extend(self._take_pending())
+        return outputs, True
+
+    def _execute_guarded(self, sched: SchedulerOutput):
+        from planaria.engine.errors import RequestExecutionError
+
+        try:
+            return self.runner.execute(sched)
+        except RequestExecutionError as exc:
+            return exc  # applied in _update on the loop thread
+        except Exception:
+            log.error("step failed; scheduler state", step_index=self.step_counter,
+                      scheduler=scheduler_dump(self.scheduler, sched))
+            raise
+        finally:
+            self.step_counter += 1
+
+    def _update(self, sched: SchedulerOutput, result) -> list[EngineCoreOutput]:
+        from planaria.engine.errors import RequestExecutionError
+
+        if isinstance(result, RequestExecutionError):
+            failed = set(result.request_ids)
+            for sr in sched.scheduled:
+                sr.req.in_flight = False
+                if sr.req.request_id not in failed and sr.req.status == RequestStatus.RUNNING:
+                    # Roll the innocent requests back so they recompute this step.
+                    sr.req.num_computed_tokens = sr.start_pos
+            self.fail_requests(list(failed), str(result))
+            return self._take_pending()
+        sampled, logprobs = result
+        if logprobs is not None:
+            for sr, lp in zip(sched.scheduled, logprobs):
+                if lp is not None and sr.req.output_logprobs is not None:
+                    sr.req.extra["_new_logprobs"] = lp
+        touched = self.scheduler.update_from_output(sched, sampled)
+        for req in touched:
+            if req.structured is not None and req.status == RequestStatus.RUNNING:
+                self._advance_grammar(req)
+        outs = []
+        for req in touched:
+            outs.append(self._output(req, [req.output_token_ids[-1]]))
+        return outs
+
+    def _output(self, req: Request, new_tokens: list[int]) -> EngineCoreOutput:
+        reason = FINISH_REASONS.get(req.status)
+        lp = req.extra.pop("_new_logprobs", None)
+        return EngineCoreOutput(
+            request_id=req.request_id, new_token_ids=new_tokens, finish_reason=reason,
+            stop_reason=req.stop_reason if reason == "stop" else None,
+            new_logprobs=[lp] if lp is not None and new_tokens else None,
+            num_cached_tokens=req.num_cached_tokens, error=req.error,
+            weight_version=self.weight_version)
+
+    def _poll_grammars(self) -> list[EngineCoreOutput]:
+        """Compiled grammars join the waiting queue; failed ones end their request."""
+        ready, failed = self.structured.take_ready()
+        for req in ready:
+            if req.status != RequestStatus.WAITING_FOR_GRAMMAR:
+                continue  # aborted while compiling
+            if req.structured.done:  # a replay prefix already completed the grammar
+                self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_STOPPED)
+                self._pending_outputs.append(self._output(req, []))
+            else:
+                self.scheduler.grammar_ready(req)
+        for req in failed:
+            if req.status == RequestStatus.WAITING_FOR_GRAMMAR:
+                self.fail_requests([req.request_id], req.structured.error)
+        return self._take_pending()
+
+    def _advance_grammar(self, req: Request) -> None:
+        verdict = self.structured.accept(req, req.output_token_ids[-1])
+        if verdict == "stop":
+            req.stop_reason = None
+            self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_STOPPED)
+        elif verdict is not None:
+            self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_ERROR)
+            req.error = verdict
+
+    def take_iteration_details(self) -> list | None:
+        """The steps recorded since the last call (EngineConfig.iteration_details), or None."""
+        return self.iterations.take() if self.iterations is not None else None
+
+    def _process_aborts_queue(self) -> None:
+        live = self.scheduler.requests
+        while True:
+            try:
+                reqs = self.aborts_queue.get_nowait()
+            except queue.Empty:
+                return
+            self.abort_requests([r.request_id for r in reqs if live.get(r.request_id) is r])
+
+    def _take_pending(self) -> list[EngineCoreOutput]:
+        out, self._pending_outputs = self._pending_outputs, []
+        return out
+
+    # -- introspection ----------------------------------------------------------------------
+    def get_stats(self) -> SchedulerStats:
+        return SchedulerStats(num_running=self.scheduler.num_running, num_waiting=self.scheduler.num_waiting,
+                              kv_usage=round(self.kv.usage, 4), num_preemptions=self.scheduler.num_preemptions,
+                              prefix_cache_hit_rate=round(self.kv.prefix_cache_hit_rate, 4))
+
+    def config_hash(self) -> str:
+        return self.config.hash() + self.model_fingerprint[:8]
+
+    def kv_figures(self) -> dict:
+        d = {"kv_cache_bytes": self.kv_cache_bytes, "num_kv_blocks": self.num_kv_blocks,
+             "block_size": self.config.block_size, "kv_source": self.kv_source,
+             "max_model_len": self.max_model_len}
+        if self.profile is not None:
+            d.update(profile_s=round(self.profile.profile_s, 3),
+                     peak_activation_bytes=self.profile.peak_activation_bytes,
+                     weights_bytes=self.profile.weights_bytes)
+        return d
+
+    # -- weights --------------------------------------------------------------------------
+    def load_weights(self, model_dir: str, version: str | None = None, mode: str = "finish_old",
+                     on_read=None) -> dict:
+        """Start reading new weights (same architecture) on a thread; they are swapped in at
+        a step boundary once read (engine/weight_update.py: modes, states). Returns the
+        load's description at once; ``on_read()`` runs on the reading thread when it is done
+        (the engine process wakes its loop). WeightLoadError at once, nothing started, for a
+        bad mode or directory, another architecture, or a load already in progress."""
+        from planaria.engine.weight_update import IN_PROGRESS, WeightLoad, check_request
+
+        if self._weight_update is not None:
+            raise WeightLoadError(f"{IN_PROGRESS} ({self._weight_update.model_dir}, "
+                                  f"{self._weight_update.state}); wait for it to finish")
+        check_request(self.runner, model_dir, mode)
+        self._weight_update = WeightLoad.start(self.runner, model_dir, version, mode, on_read)
+        return self._weight_update.describe()
+
+    def weight_status(self) -> dict:
+        load = self._weight_update or self.last_weight_load
+        return {"version": self.weight_version, "model_dir": self.runner.model_dir,
+                "load": load.describe() if load is not None else None}
+
+    def _maybe_swap_weights(self) -> None:
+        from planaria.engine.weight_update import apply
+
+        load = self._weight_update
+        if not load.read_done:
+            return
+        if load.error is None:
+            if load.mode == "finish_old":
+                self.scheduler.admit_new = False  # new requests wait for the new weights
+            in_flight = len(self.batch_queue) + (self._inflight is not None)
+            if load.decide(self.scheduler.num_running, in_flight) != "swap":
+                return
+            if load.mode == "continue_new":
+                self.scheduler.preempt_running()
+            try:
+                apply(self.runner, load)
+            except WeightLoadError as exc:
+                load.fail(str(exc))
+            else:
+                self.kv.reset_prefix_cache()  # cached blocks hold the old weights' KV
+                self.weight_version = load.version
+        self._weight_update, self.last_weight_load = None, load
+        self.scheduler.admit_new = True
+
+    def reset_prefix_cache(self) -> bool:
+        return self.kv.reset_prefix_cache()
+
+    def shutdown(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=True, cancel_futures=True)
+        self.batch_queue.clear()
+        self.structured.shutdown()
+
+
+def create_engine_core(config: EngineConfig, expert_range=None, progress=None):
+    """EngineCore, or PoolingEngineCore for runner_type "pooling" (or a BertModel checkpoint)."""
+    from planaria.engine.pooling import PoolingEngineCore, is_pooling_model
+
+    if is_pooling_model(config):
+        return PoolingEngineCore(config, expert_range, progress)
+    return EngineCore(config, expert_range, progress)
+
+
+__all__ = ["EngineCore", "EngineError", "create_engine_core"]

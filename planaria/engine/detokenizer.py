@@ -1,0 +1,171 @@
+"""Incremental detokenization with stop strings.
+
+Each update decodes a small window of recent tokens, not the whole output (the
+prefix-offset/read-offset technique of vLLM and HF TGI): ``prefix_offset..read_offset`` is
+text already produced, kept as left context so that the tokenizer's merging and spacing
+rules see what precedes the new tokens; ``decode(window) - decode(prefix)`` is the new
+text. While the window's text ends in U+FFFD (an incomplete UTF-8 sequence from byte-level
+BPE) the characters before it are released but the offsets stay put, so the next token
+re-decodes the split character whole. (A long run of tokens that all end mid-character,
+e.g. CJK under a tokenizer that splits its bytes, widens the window until the run ends.)
+
+Stop strings are searched only where a new character could complete one. ``get_delta_text``
+holds back the tail that may still turn into a stop string (unless the stop string is to be
+included anyway); ``flush`` releases it, and any undecodable bytes, when the request ends.
+"""
+
+from __future__ import annotations
+
+from planaria.engine.sampling_params import SamplingParams
+
+# Tokens of prompt kept as left context for the first output tokens (as vLLM).
+_PROMPT_CONTEXT_TOKENS = 5
+_REPLACEMENT = "\ufffd"
+
+
+def _decode_fn(tokenizer, skip_special_tokens: bool):
+    """The cheapest decode the tokenizer offers: the Rust tokenizer behind a fast HF one."""
+    raw = getattr(tokenizer, "backend_tokenizer", None) or getattr(tokenizer, "_tokenizer", None)
+    if raw is not None and hasattr(raw, "decode"):
+        return lambda ids: raw.decode(ids, skip_special_tokens=skip_special_tokens)
+    return lambda ids: tokenizer.decode(ids, skip_special_tokens=skip_special_tokens,
+                                        clean_up_tokenization_spaces=False)
+
+
+def detokenize_all(tokenizer, ids: list[int], skip_special_tokens: bool = True) -> str:
+    """The whole text at once, decoded as IncrementalDetokenizer decodes its windows."""
+    return _decode_fn(tokenizer, skip_special_tokens)(list(ids))
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        self._decode = _decode_fn(tokenizer, params.skip_special_tokens)
+        context = list(prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:])
+        self._ids: list[int] = context  # prompt context, then every output token
+        self._prefix_offset = 0
+        self._read_offset = len(context)
+        self._prefix_text = self._decode(context) if context else ""
+        self._num_window_chars = 0  # chars past prefix_text already taken from this window
+        self._stops = list(params.stop)
+        self._include_stop = params.include_stop_str_in_output
+        self._max_stop_chars = max((len(s) for s in self._stops), default=0)
+        self._chunks: list[str] = []  # output text, in pieces (joined on demand)
+        self._num_chars = 0
+        self._num_returned_chars = 0
+        self._finished = False
+        self.stop_str: str | None = None
+
+    # -- text ----------------------------------------------------------------------------
+    @property
+    def output_text(self) -> str:
+        """All text so far; a matched stop string is excluded unless included by request."""
+        if len(self._chunks) > 1:
+            self._chunks = ["".join(self._chunks)]
+        return self._chunks[0] if self._chunks else ""
+
+    def update(self, new_token_ids: list[int]) -> str | None:
+        """Append tokens; returns the stop string they completed, if any. Tokens after a
+        stop (or after flush) are ignored."""
+        if self.stop_str is not None or self._finished:
+            return None
+        self._ids.extend(new_token_ids)
+        return self._append(self._decode_window(force=False))
+
+    def get_delta_text(self) -> str:
+        """Text not yet returned, less a tail that may begin a stop string."""
+        end = self._num_chars
+        if not self._finished and self.stop_str is None and not self._include_stop:
+            end -= self._held_back_chars()
+        if end <= self._num_returned_chars:
+            return ""
+        # Only the last chunks can hold unreturned text; join the tail, not the whole.
+        tail = self._tail(self._num_chars - self._num_returned_chars)
+        delta = tail[:end - self._num_returned_chars]
+        self._num_returned_chars = end
+        return delta
+
+    def flush(self) -> str:
+        """The request ended without a stop: decode what is pending (U+FFFD and all) and
+        return everything not yet returned."""
+        if self.stop_str is None and not self._finished:
+            self._append(self._decode_window(force=True))
+        self._finished = True
+        return self.get_delta_text()
+
+    # -- internals -----------------------------------------------------------------------
+    def _decode_window(self, force: bool) -> str:
+        """New text from the window ``prefix_offset..``. Characters before a trailing
+        incomplete one are released at once; the offsets move only when the window ends on
+        a whole character, so ``read_offset`` is always a clean boundary."""
+        if len(self._ids) == self._read_offset:
+            return ""
+        text = self._decode(self._ids[self._prefix_offset:])
+        clean = force or not text.endswith(_REPLACEMENT)
+        end = len(text) if clean else len(text.rstrip(_REPLACEMENT))
+        start = len(self._prefix_text) + self._num_window_chars
+        delta = text[start:end] if end > start else ""
+        self._num_window_chars += len(delta)
+        if clean:
+            self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
+            self._prefix_text = self._decode(self._ids[self._prefix_offset:self._read_offset])
+            self._num_window_chars = 0
+        return delta
+
+    def _append(self, delta: str) -> str | None:
+        if not delta:
+            return None
+        old_len = self._num_chars
+        self._chunks.append(delta)
+        self._num_chars += len(delta)
+        if not self._stops:
+            return None
+        # Search only where a stop string could end in the new characters.
+        window_start = max(0, old_len - self._max_stop_chars + 1)
+        window = self._tail(self._num_chars - window_start)
+        best: tuple[int, str] | None = None
+        for stop in self._stops:
+            at = window.find(stop, max(0, old_len - len(stop) + 1 - window_start))
+            if at != -1 and (best is None or at < best[0]):
+                best = (at, stop)
+        if best is None:
+            return None
+        at, stop = best
+        cut = window_start + at + (len(stop) if self._include_stop else 0)
+        self._truncate(max(cut, self._num_returned_chars))
+        self.stop_str = stop
+        return stop
+
+    def _tail(self, num_chars: int) -> str:
+        """The last ``num_chars`` characters of the output, joining only the chunks needed
+        (and merging them into one, so repeated calls stay cheap)."""
+        if num_chars <= 0:
+            return ""
+        taken, i = 0, len(self._chunks)
+        while i > 0 and taken < num_chars:
+            i -= 1
+            taken += len(self._chunks[i])
+        if len(self._chunks) - i > 1:
+            self._chunks[i:] = ["".join(self._chunks[i:])]
+        return self._chunks[i][-num_chars:] if num_chars <= len(self._chunks[i]) else self._chunks[i]
+
+    def _truncate(self, num_chars: int) -> None:
+        drop = self._num_chars - num_chars
+        if drop <= 0:
+            return
+        self._tail(drop)  # merges the chunks covering the last `drop` characters into one
+        self._chunks[-1] = self._chunks[-1][:len(self._chunks[-1]) - drop]
+        self._num_chars = num_chars
+
+    def _held_back_chars(self) -> int:
+        """Length of the longest output suffix that is a proper prefix of a stop string."""
+        if not self._stops:
+            return 0
+        longest = min(self._max_stop_chars - 1, self._num_chars - self._num_returned_chars)
+        if longest <= 0:
+            return 0
+        tail = self._tail(longest)
+        for k in range(longest, 0, -1):
+            suffix = tail[-k:]
+            if any(s.startswith(suffix) for s in self._stops):
+                return k
+        return 0

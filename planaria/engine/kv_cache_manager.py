@@ -1,0 +1,104 @@
+"""Per-request block tables over a BlockPool, with prefix-cache lookups. Pure Python."""
+
+from __future__ import annotations
+
+from planaria.engine.block_pool import BlockPool, hash_request_blocks
+from planaria.engine.request import Request
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+        self.block_size = block_size
+        self.pool = BlockPool(num_blocks, enable_caching)
+        self.enable_caching = enable_caching
+        self.req_to_blocks: dict[str, list[int]] = {}
+        self._num_cached_blocks: dict[str, int] = {}  # blocks of a request already hashed into the cache
+
+    @property
+    def usage(self) -> float:
+        return self.pool.usage
+
+    def get_block_ids(self, request_id: str) -> list[int]:
+        return self.req_to_blocks.get(request_id, [])
+
+    def get_computed_blocks(self, req: Request) -> tuple[list[int], int]:
+        """Longest cached prefix of full blocks. At least one token is always left to
+        compute, so the model produces logits for the next token."""
+        if not self.enable_caching:
+            return [], 0
+        hashes = hash_request_blocks(req.all_token_ids, self.block_size, req.block_hashes)
+        max_blocks = (req.num_tokens - 1) // self.block_size
+        hits: list[int] = []
+        for h in hashes[:max_blocks]:
+            block_id = self.pool.lookup(h)
+            if block_id is None:
+                break
+            hits.append(block_id)
+        self.pool.num_cache_queries_blocks += max_blocks
+        self.pool.num_cache_hits_blocks += len(hits)
+        return hits, len(hits) * self.block_size
+
+    def can_fit(self, req: Request, num_new_tokens: int, computed_blocks: list[int] = ()) -> bool:
+        blocks = self.req_to_blocks.get(req.request_id)
+        num_have = len(blocks) if blocks else len(computed_blocks)
+        num_computed = req.num_computed_tokens if blocks else len(computed_blocks) * self.block_size
+        needed = -(-(num_computed + num_new_tokens) // self.block_size) - num_have
+        # Cached blocks that sit in the free list are taken out of it by touch().
+        num_evictable_hits = sum(1 for b in computed_blocks if self.pool.ref_cnt[b] == 0)
+        return needed <= self.pool.num_free_blocks - num_evictable_hits
+
+    def allocate_slots(self, req: Request, num_new_tokens: int,
+                       computed_blocks: list[int] | None = None) -> list[int] | None:
+        """Make room for ``num_new_tokens`` more tokens of ``req``; None when out of blocks.
+
+        ``computed_blocks`` (first scheduling only) are prefix-cache hits already counted
+        in ``req.num_computed_tokens`` by the caller.
+        """
+        blocks = self.req_to_blocks.get(req.request_id)
+        if blocks is None:
+            blocks = []
+            computed_blocks = computed_blocks or []
+        else:
+            computed_blocks = []
+        num_computed = req.num_computed_tokens
+        needed = -(-(num_computed + num_new_tokens) // self.block_size) - len(blocks) - len(computed_blocks)
+        num_evictable_hits = sum(1 for b in computed_blocks if self.pool.ref_cnt[b] == 0)
+        if needed > self.pool.num_free_blocks - num_evictable_hits:
+            return None
+        if computed_blocks:
+            self.pool.touch(computed_blocks)
+            blocks.extend(computed_blocks)
+            self._num_cached_blocks[req.request_id] = len(computed_blocks)
+        if needed > 0:
+            blocks.extend(self.pool.allocate(needed))
+        self.req_to_blocks[req.request_id] = blocks
+        if self.enable_caching:
+            self._cache_full_blocks(req, num_computed + num_new_tokens)
+        return blocks
+
+    def _cache_full_blocks(self, req: Request, num_tokens: int) -> None:
+        # Tokens up to num_tokens are known (prompt or already sampled), so every block
+        # they fill can be offered to later requests.
+        num_full = min(num_tokens, req.num_tokens) // self.block_size
+        start = self._num_cached_blocks.get(req.request_id, 0)
+        if num_full <= start:
+            return
+        hashes = hash_request_blocks(req.all_token_ids, self.block_size, req.block_hashes)
+        blocks = self.req_to_blocks[req.request_id]
+        for i in range(start, num_full):
+            self.pool.cache_block(blocks[i], hashes[i])
+        self._num_cached_blocks[req.request_id] = num_full
+
+    def free(self, req: Request) -> None:
+        blocks = self.req_to_blocks.pop(req.request_id, None)
+        self._num_cached_blocks.pop(req.request_id, None)
+        if blocks:
+            self.pool.free(reversed(blocks))
+
+    def reset_prefix_cache(self) -> bool:
+        return self.pool.reset_prefix_cache()
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        q = self.pool.num_cache_queries_blocks
+        return self.pool.num_cache_hits_blocks / q if q else 0.0

@@ -1,0 +1,83 @@
+"""Typed messages between frontends and engine cores (msgspec; never pickle).
+
+This module holds the request/output structs the engine core itself produces and
+consumes. The socket layer (engine/proc.py) adds the one-byte type frame and the
+handshake/utility messages.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from planaria.engine.sampling_params import SamplingParams
+
+
+class EngineCoreRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_id: int | None = None
+    arrival_time: float = 0.0
+    priority: int = 0
+    client_index: int = 0  # which frontend gets the outputs
+    # Structured output spec, e.g. {"type": "json_schema", "value": "..."} (issue 6).
+    structured_output: dict | None = None
+    # Replay: tokens already generated under structured_output (the prompt's tail); the
+    # grammar consumes them before the first new token.
+    structured_output_prefix_tokens: list[int] | None = None
+    # A replay (frontend/journal.py): the last N prompt tokens are output the request already
+    # produced elsewhere; seeded sampling and presence/frequency penalties count them as output.
+    num_prior_output_tokens: int = 0
+
+
+class Logprobs(msgspec.Struct, array_like=True):
+    """Logprobs for one generated token: the sampled token first, then the top-n."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    sampled_rank: int
+
+
+class EngineCoreOutput(msgspec.Struct, kw_only=True, omit_defaults=True):
+    request_id: str
+    new_token_ids: list[int] = []
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    stop_reason: int | str | None = None
+    new_logprobs: list[Logprobs] | None = None
+    num_cached_tokens: int = 0
+    error: str | None = None  # set with finish_reason == "error"
+    weight_version: str | None = None
+    pooled: list[float] | None = None  # pooling runner: the request's embedding
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class SchedulerStats(msgspec.Struct, kw_only=True):
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_usage: float = 0.0  # fraction of KV blocks in use
+    num_preemptions: int = 0
+    prefix_cache_hit_rate: float = 0.0
+
+
+class EngineCoreOutputs(msgspec.Struct, kw_only=True, omit_defaults=True):
+    engine_index: int = 0
+    outputs: list[EngineCoreOutput] = []
+    scheduler_stats: SchedulerStats | None = None
+    timestamp: float = 0.0
+    iteration_details: list[IterationDetails] | None = None  # EngineConfig.iteration_details
+
+
+class IterationDetails(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """One engine step, for diagnosis (opt-in: EngineConfig.iteration_details)."""
+
+    step_index: int
+    request_ids: list[str] = []
+    num_scheduled_tokens: list[int] = []  # aligned with request_ids
+    step_s: float = 0.0
+    kv_usage: float = 0.0
+    num_preemptions: int = 0  # in this step
+    num_running: int = 0
+    num_waiting: int = 0

@@ -1,0 +1,205 @@
+"""Runs one scheduled batch: builds flat inputs and attention metadata, executes the
+model, samples. Owns the model weights and the paged KV cache tensors."""
+
+from __future__ import annotations
+
+import mmap
+import time
+
+import structlog
+import torch
+
+from planaria.engine.config import EngineConfig
+from planaria.engine.errors import KVCacheTooSmallError, RequestExecutionError
+from planaria.engine.memory import MemoryProfile, device_memory_bytes, measure_peak, tune_cpu_allocator
+from planaria.engine.models.loader import load_model
+from planaria.engine.request import Request
+from planaria.engine.sampling_metadata import SamplingMetadata
+from planaria.engine.scheduler import SchedulerOutput
+from planaria.kernels.attention import build_metadata
+from planaria.kernels.sampling import Sampler
+
+log = structlog.get_logger("planaria.engine.runner")
+
+
+def resolve_dtype(config: EngineConfig, device: torch.device) -> torch.dtype:
+    if config.dtype:
+        return getattr(torch, config.dtype)
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, max_model_len: int, expert_range=None, progress=None,
+                 hf_config=None) -> None:
+        self.config = config
+        self.device = torch.device(config.device)
+        self.dtype = resolve_dtype(config, self.device)
+        if self.device.type == "cpu":
+            tune_cpu_allocator()
+            if config.num_threads:
+                torch.set_num_threads(config.num_threads)
+        t0 = time.monotonic()
+        self.load_timings: dict[str, float] = {}  # build_s, read_s (engine/models/loader.py)
+        self.model, self.hf_config, self.spec, self.weights_bytes = load_model(
+            config.model, self.dtype, self.device, max_model_len, expert_range, progress,
+            hf_config=hf_config, timings=self.load_timings)
+        self.load_s = time.monotonic() - t0
+        self.model_dir = config.model  # where the weights in place came from (a weight swap moves it)
+        self.block_size = config.block_size
+        self.max_positions = max_model_len  # rows of the rotary tables
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.num_blocks = 0
+        self.sampler = Sampler()
+        self.fault_next_step: str | None = None  # fault injection (engine/proc.py)
+        self.forward_s = 0.0  # cumulative time in the model forward (bench/ reads it)
+        self.last_num_tokens = 0
+        self.structured = None  # engine.structured_output.StructuredOutputManager (EngineCore sets it)
+
+    # -- KV cache sizing -------------------------------------------------------------------
+    @property
+    def bytes_per_block(self) -> int:
+        s = self.spec
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * s.num_layers * self.block_size * s.num_kv_heads * s.head_dim * elem
+
+    def profile(self) -> MemoryProfile:
+        """Dummy forward at max_num_batched_tokens; kv = budget*util - weights - peak."""
+        t0 = time.monotonic()
+        n = self.config.max_num_batched_tokens
+        num_dummy_blocks = -(-n // self.block_size)
+        self._allocate_kv(num_dummy_blocks, lazy=False)  # touched before the baseline is read
+        with measure_peak(self.device) as m, torch.inference_mode():
+            ids = torch.zeros(n, dtype=torch.long, device=self.device)
+            pos = torch.arange(n, dtype=torch.long, device=self.device) % self.max_positions
+            md = build_metadata([], [], [(list(range(num_dummy_blocks)), 0, n)], self.block_size, self.device)
+            hidden = self.model(ids, pos, self.kv_caches, md)
+            self.model.compute_logits(hidden[-self.config.max_num_seqs:])
+            del hidden
+        self.kv_caches = []
+        budget = self.config.memory_budget_bytes or device_memory_bytes(self.device)
+        peak = m["peak_bytes"]
+        kv = int(budget * self.config.memory_utilization) - self.weights_bytes - peak
+        if self.device.type == "cpu":
+            # No more than the running sequences can ever use (zeroing RAM is not free).
+            usable_blocks = -(-self.config.max_num_seqs * self.max_positions // self.block_size)
+            kv = min(kv, self.config.max_cpu_kv_cache_bytes, usable_blocks * self.bytes_per_block)
+        return MemoryProfile(budget, self.weights_bytes, peak, kv, time.monotonic() - t0)
+
+    def init_kv_cache(self, kv_cache_bytes: int) -> int:
+        num_blocks = kv_cache_bytes // self.bytes_per_block
+        if num_blocks < 1:
+            raise KVCacheTooSmallError(
+                f"kv_cache_bytes={kv_cache_bytes} holds no block of {self.bytes_per_block} bytes; "
+                "raise memory_budget_bytes/memory_utilization or lower the model size")
+        self._allocate_kv(num_blocks)
+        self.num_blocks = num_blocks
+        return num_blocks
+
+    def _allocate_kv(self, num_blocks: int, lazy: bool = True) -> None:
+        """Zeroed K and V caches, [slots, Hkv, D] per layer. Zeros, not torch.empty: attention
+        reads slots it masks out (a decode batch pads block tables with block 0, and a last
+        block's tail is gathered too), and a masked NaN still spreads (0 * NaN = NaN).
+        On the CPU (``lazy``) the caches are one private anonymous mapping: the kernel hands
+        out zero pages on first touch, so start-up writes no zeros and touches no pages (a
+        memset of a few hundred MB costs a reused-KV start 0.1-0.5 s on this host)."""
+        s = self.spec
+        shape = (num_blocks * self.block_size, s.num_kv_heads, s.head_dim)
+        if lazy and self.device.type == "cpu":
+            elem = torch.empty((), dtype=self.dtype).element_size()
+            nbytes = s.num_layers * 2 * num_blocks * self.block_size * s.num_kv_heads * s.head_dim * elem
+            buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE)  # anonymous: zero-filled by the kernel
+            kv = torch.frombuffer(buf, dtype=self.dtype).view(s.num_layers, 2, *shape)  # keeps buf alive
+        else:
+            kv = torch.zeros((s.num_layers, 2, *shape), dtype=self.dtype, device=self.device)
+        self.kv_caches = [(kv[i, 0], kv[i, 1]) for i in range(s.num_layers)]
+
+    # -- execution --------------------------------------------------------------------------
+    def execute(self, sched: SchedulerOutput):
+        """Returns (sampled: list[int] aligned with sched.scheduled (-1 where no token is
+        sampled), logprobs: list aligned likewise or None)."""
+        fault, self.fault_next_step = self.fault_next_step, None
+        if fault == "fatal":
+            raise RuntimeError("injected fatal fault")
+        scheduled = sched.scheduled
+        # Decodes (one new token, some context) first, then prefill chunks.
+        decode_idx = [i for i, s in enumerate(scheduled) if s.num_tokens == 1 and s.start_pos > 0]
+        decode_set = set(decode_idx)
+        prefill_idx = [i for i in range(len(scheduled)) if i not in decode_set]
+        order = decode_idx + prefill_idx
+
+        ids: list[int] = []
+        pos: list[int] = []
+        logit_rows: list[int] = []  # flat row of the last token, per sampling request (in `order`)
+        sample_slots: list[int] = []  # index into `scheduled` of each logit row
+        for i in decode_idx:
+            s = scheduled[i]
+            ids.append(s.req.all_token_ids[s.start_pos])
+            pos.append(s.start_pos)
+        for i in prefill_idx:
+            s = scheduled[i]
+            ids.extend(s.req.all_token_ids[s.start_pos:s.start_pos + s.num_tokens])
+            pos.extend(range(s.start_pos, s.start_pos + s.num_tokens))
+        row = 0
+        for i in order:
+            s = scheduled[i]
+            row += s.num_tokens
+            if s.samples:
+                logit_rows.append(row - 1)
+                sample_slots.append(i)
+
+        md = build_metadata(
+            [scheduled[i].block_ids for i in decode_idx],
+            [scheduled[i].start_pos + 1 for i in decode_idx],
+            [(scheduled[i].block_ids, scheduled[i].start_pos, scheduled[i].num_tokens) for i in prefill_idx],
+            self.block_size, self.device)
+        with torch.inference_mode():
+            input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
+            positions = torch.tensor(pos, dtype=torch.long, device=self.device)
+            # grammar masks fill on a thread while the model runs (None: no grammar in the batch)
+            grammar = (self.structured.start_bitmask([scheduled[i].req for i in sample_slots])
+                       if self.structured is not None and sample_slots else None)
+            f0 = time.perf_counter()
+            hidden = self.model(input_ids, positions, self.kv_caches, md)
+            self.last_num_tokens = len(ids)
+            if fault == "request" and scheduled:  # after the forward: EP peers stay in step
+                raise RequestExecutionError([scheduled[0].req.request_id], "injected request fault")
+            sampled = [-1] * len(scheduled)
+            logprobs = None
+            if not logit_rows:
+                self.forward_s += time.perf_counter() - f0
+            if logit_rows:
+                rows = torch.tensor(logit_rows, dtype=torch.long, device=self.device)
+                logits = self.model.compute_logits(hidden.index_select(0, rows))  # [N, V]
+                if grammar is not None:
+                    grammar.apply(logits)
+                self.forward_s += time.perf_counter() - f0
+                reqs: list[Request] = [scheduled[i].req for i in sample_slots]
+                smd = SamplingMetadata.build(reqs, self.spec.vocab_size, self.device)
+                out = self.sampler(logits, smd)
+                tokens = out.sampled_token_ids.tolist()
+                bad = [r.request_id for r, t in zip(reqs, tokens) if not 0 <= t < self.spec.vocab_size]
+                if bad:
+                    raise RequestExecutionError(bad, "sampling produced an invalid token (non-finite logits?)")
+                for j, i in enumerate(sample_slots):
+                    sampled[i] = tokens[j]
+                if out.logprobs is not None:
+                    logprobs = [None] * len(scheduled)
+                    for j, i in enumerate(sample_slots):
+                        logprobs[i] = out.logprobs[j]
+        return sampled, logprobs
+
+    def execute_dummy(self) -> None:
+        """A forward over zero tokens: an idle expert-parallel rank still takes part in
+        every collective of the step, so its peers never wait on it."""
+        md = build_metadata([], [], [], self.block_size, self.device)
+        with torch.inference_mode():
+            empty = torch.empty(0, dtype=torch.long, device=self.device)
+            self.model(empty, empty, self.kv_caches, md)
+
+    def reload_experts(self, expert_range: tuple[int, int]) -> int:
+        """Re-home experts: load [start, end) of every MoE layer from the checkpoint the
+        weights in place came from (the latest swapped-in one, not the start-up one).
+        Returns the bytes read."""
+        from planaria.engine.models.loader import load_expert_weights
+
+        return load_expert_weights(self.model, self.model_dir, self.spec, self.dtype, self.device, expert_range)

@@ -1,0 +1,178 @@
+"""One decoder-only transformer covering the Llama family: Llama, Qwen2 (qkv bias),
+Qwen3 (per-head q/k RMSNorm), Qwen3-MoE and Mixtral (sparse MoE MLP).
+
+Inputs are flat: all tokens of the batch in one [T] row, positions [T], and the paged
+attention metadata. Projections are fused (qkv, gate/up) at load time.
+
+Parameters are created uninitialised (``Linear``/``Embedding`` below run no init; the
+loader builds the model on the meta device) because every one of them is read from the
+checkpoint: engine/models/loader.py fills each parameter or fails with the missing name.
+The rotary tables are computed, not loaded: the caller builds them on the real device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from planaria.kernels.attention import AttentionMetadata, paged_attention
+from planaria.kernels.moe import grouped_expert_mlp, route
+from planaria.kernels.norm import RMSNorm
+from planaria.kernels.rotary import RotaryEmbedding
+
+
+class Linear(nn.Module):
+    """y = x W^T (+ b), like nn.Linear but with no random init: nn.Linear's init on the
+    meta device runs torch's Python reference ops, which import torch._dynamo and sympy
+    (~1.3 s of every engine start) for values the checkpoint overwrites anyway."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False,
+                 dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
+        return F.linear(x, self.weight, self.bias)
+
+
+class Embedding(nn.Module):
+    """Token embedding table, uninitialised like ``Linear``."""
+
+    def __init__(self, num_embeddings: int, dim: int, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_embeddings, dim, dtype=dtype), requires_grad=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, H]
+        return F.embedding(ids, self.weight)
+
+
+@dataclass
+class ModelSpec:
+    arch: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    num_experts: int = 0
+    top_k: int = 0
+    moe_intermediate_size: int = 0
+    renormalize: bool = True
+    sparse_layers: tuple[int, ...] = ()  # layer indices with a MoE MLP
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+
+class Attention(nn.Module):
+    def __init__(self, spec: ModelSpec, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
+        self.q_size = spec.num_heads * spec.head_dim
+        self.kv_size = spec.num_kv_heads * spec.head_dim
+        self.qkv = Linear(spec.hidden_size, self.q_size + 2 * self.kv_size, bias=spec.qkv_bias, dtype=dtype)
+        self.o_proj = Linear(self.q_size, spec.hidden_size, bias=False, dtype=dtype)
+        self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
+        self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
+        self.scale = spec.head_dim ** -0.5
+
+    def forward(self, x, positions, rotary, k_cache, v_cache, md: AttentionMetadata):
+        T = x.shape[0]
+        qkv = self.qkv(x)  # [T, q + 2kv]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(T, self.num_heads, self.head_dim)
+        k = k.view(T, self.num_kv_heads, self.head_dim)
+        v = v.reshape(T, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rotary(positions, q, k)
+        o = paged_attention(q, k, v, k_cache, v_cache, md, self.scale)  # [T, Hq, D]
+        return self.o_proj(o.reshape(T, self.q_size))
+
+
+class DenseMLP(nn.Module):
+    def __init__(self, hidden: int, inter: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.inter = inter
+        self.gate_up = Linear(hidden, 2 * inter, bias=False, dtype=dtype)
+        self.down = Linear(inter, hidden, bias=False, dtype=dtype)
+
+    def forward(self, x):
+        gu = self.gate_up(x)
+        return self.down(F.silu(gu[:, :self.inter]) * gu[:, self.inter:])
+
+
+class SparseMoE(nn.Module):
+    """Router over all experts; ``w13``/``w2`` hold experts [expert_start, expert_end).
+    With expert parallelism (elastic/ep.py) ``ep_forward`` replaces the local compute."""
+
+    def __init__(self, spec: ModelSpec, dtype: torch.dtype, expert_start: int = 0, expert_end: int | None = None):
+        super().__init__()
+        end = spec.num_experts if expert_end is None else expert_end
+        self.num_experts, self.top_k, self.renormalize = spec.num_experts, spec.top_k, spec.renormalize
+        self.expert_start, self.expert_end = expert_start, end
+        n_local = end - expert_start
+        self.router = Linear(spec.hidden_size, spec.num_experts, bias=False, dtype=dtype)
+        self.w13 = nn.Parameter(torch.empty(n_local, 2 * spec.moe_intermediate_size, spec.hidden_size, dtype=dtype),
+                                requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(n_local, spec.hidden_size, spec.moe_intermediate_size, dtype=dtype),
+                               requires_grad=False)
+        self.ep_forward = None  # set by the expert-parallel transform
+
+    def forward(self, x):  # x: [T, H]
+        weights, ids = route(self.router(x), self.top_k, self.renormalize)
+        if self.ep_forward is not None:
+            return self.ep_forward(self, x, weights, ids)
+        return grouped_expert_mlp(x, self.w13, self.w2, weights, ids, self.expert_start)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, spec: ModelSpec, idx: int, dtype: torch.dtype, expert_range=None) -> None:
+        super().__init__()
+        self.input_norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.attn = Attention(spec, dtype)
+        self.post_norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        if idx in spec.sparse_layers:
+            start, end = expert_range or (0, spec.num_experts)
+            self.mlp = SparseMoE(spec, dtype, start, end)
+        else:
+            self.mlp = DenseMLP(spec.hidden_size, spec.intermediate_size, dtype)
+
+    def forward(self, x, positions, rotary, k_cache, v_cache, md):
+        x = x + self.attn(self.input_norm(x), positions, rotary, k_cache, v_cache, md)
+        return x + self.mlp(self.post_norm(x))
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, spec: ModelSpec, rotary: RotaryEmbedding, dtype: torch.dtype,
+                 expert_range: tuple[int, int] | None = None) -> None:
+        super().__init__()
+        self.spec = spec
+        self.embed = Embedding(spec.vocab_size, spec.hidden_size, dtype=dtype)
+        self.layers = nn.ModuleList(DecoderLayer(spec, i, dtype, expert_range) for i in range(spec.num_layers))
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.lm_head = None if spec.tie_word_embeddings else Linear(spec.hidden_size, spec.vocab_size, bias=False, dtype=dtype)
+        self.rotary = rotary  # cos/sin tables up to max_positions, computed (not loaded)
+
+    def forward(self, input_ids, positions, kv_caches, md: AttentionMetadata):
+        # input_ids, positions: [T] -> hidden [T, H]
+        x = self.embed(input_ids)
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
+            x = layer(x, positions, self.rotary, k_cache, v_cache, md)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, H] -> [N, V] float32
+        w = self.embed.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, w).float()

@@ -1,0 +1,160 @@
+"""Request struct -> what the engine gets: SamplingParams, structured output, priority.
+
+Pure: no tokenizer, no sockets. ``sampling_params(req, vocab_size=, max_logprobs=)`` rejects
+what this server does not support (``logit_bias``, ``suffix``, ``tools`` ...) and every bad
+value with a ``RequestError`` naming the field; ``fit_max_tokens`` applies the context
+limit once the prompt length is known (vLLM's rule: a prompt that leaves no room for one
+generated token is an error, otherwise max_tokens is capped to the room left).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import msgspec
+
+from planaria.engine.errors import InvalidRequestError
+from planaria.engine.sampling_params import SamplingParams
+from planaria.frontend.errors import RequestError
+from planaria.frontend.protocol import ChatCompletionRequest, CompletionRequest, _CommonRequest
+
+DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+MAX_TOP_LOGPROBS = 20  # OpenAI's bound for chat top_logprobs
+
+_FIELD_RE = re.compile(r"^(?:stop token id|prompt token id)|^([a-z_]+) ")
+
+
+def _or(value, default):
+    return default if value is None else value
+
+
+def _reject_unsupported(req: _CommonRequest) -> None:
+    if req.logit_bias:
+        raise RequestError("logit_bias is not supported by this server", param="logit_bias")
+    if req.stream_options is not None and not req.stream:
+        raise RequestError("stream_options can only be set when stream is true", param="stream_options")
+    if isinstance(req, CompletionRequest):
+        if req.suffix:
+            raise RequestError("suffix is not supported by this server", param="suffix")
+        if req.best_of is not None and req.best_of != _or(req.n, 1):
+            raise RequestError(f"best_of must equal n (1), got {req.best_of}", param="best_of")
+        if req.echo and req.logprobs is not None:
+            raise RequestError("echo together with logprobs needs prompt logprobs, which this server "
+                               "does not compute", param="echo")
+    if isinstance(req, ChatCompletionRequest):
+        if req.tools:
+            raise RequestError("tools (function calling) are not supported by this server", param="tools")
+        if req.functions:
+            raise RequestError("functions (function calling) are not supported by this server",
+                               param="functions")
+        if req.tool_choice not in (None, "none", "auto"):
+            raise RequestError("tool_choice needs tools, which this server does not support",
+                               param="tool_choice")
+        if req.modalities and any(m != "text" for m in req.modalities):
+            raise RequestError("only the text modality is supported", param="modalities")
+        if req.audio is not None:
+            raise RequestError("audio output is not supported", param="audio")
+
+
+def _chat_logprobs(req: ChatCompletionRequest) -> int | None:
+    if req.top_logprobs is not None:
+        if not req.logprobs:
+            raise RequestError("top_logprobs needs logprobs set to true", param="top_logprobs")
+        if not 0 <= req.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise RequestError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {req.top_logprobs}",
+                               param="top_logprobs")
+    return _or(req.top_logprobs, 0) if req.logprobs else None
+
+
+def sampling_params(req: _CommonRequest, *, vocab_size: int | None = None,
+                    max_logprobs: int = 20) -> SamplingParams:
+    """The engine's SamplingParams for ``req``, validated; RequestError names the bad field."""
+    _reject_unsupported(req)
+    if isinstance(req, ChatCompletionRequest):
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        max_tokens_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+        logprobs = _chat_logprobs(req)
+    else:
+        max_tokens = _or(req.max_tokens, DEFAULT_COMPLETION_MAX_TOKENS)
+        max_tokens_param = "max_tokens"
+        logprobs = req.logprobs
+    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    params = SamplingParams(
+        n=_or(req.n, 1), max_tokens=max_tokens, min_tokens=_or(req.min_tokens, 0),
+        temperature=_or(req.temperature, 1.0), top_p=_or(req.top_p, 1.0), top_k=_or(req.top_k, 0),
+        min_p=_or(req.min_p, 0.0), seed=req.seed, stop=stop, stop_token_ids=list(req.stop_token_ids or []),
+        ignore_eos=bool(req.ignore_eos), logprobs=logprobs,
+        repetition_penalty=_or(req.repetition_penalty, 1.0),
+        presence_penalty=_or(req.presence_penalty, 0.0), frequency_penalty=_or(req.frequency_penalty, 0.0),
+        skip_special_tokens=_or(req.skip_special_tokens, True),
+        include_stop_str_in_output=bool(req.include_stop_str_in_output),
+    )
+    try:
+        params.validate(vocab_size, max_logprobs)
+    except InvalidRequestError as exc:
+        msg = str(exc)
+        m = _FIELD_RE.match(msg)
+        param = None
+        if m:
+            param = m.group(1) or "stop_token_ids"
+            if param == "max_tokens":
+                param = max_tokens_param
+            elif param == "logprobs" and isinstance(req, ChatCompletionRequest):
+                param = "top_logprobs"
+        raise RequestError(msg, param=param) from exc
+    return params
+
+
+def structured_output(req: _CommonRequest) -> dict | None:
+    """The engine's structured-output spec, from response_format or vLLM's guided_* fields.
+
+    ``{"type": "json_schema" | "json_object" | "regex" | "choice" | "grammar", "value": ...}``;
+    the engine decides whether it can honour it.
+    """
+    specs = []
+    rf = req.response_format
+    if rf is not None:
+        kind = rf.get("type")
+        if kind == "json_schema":
+            js = rf.get("json_schema")
+            schema = js.get("schema") if isinstance(js, dict) else None
+            if not isinstance(schema, dict):
+                raise RequestError("response_format json_schema needs json_schema.schema (an object)",
+                                   param="response_format")
+            specs.append({"type": "json_schema", "value": json.dumps(schema)})
+        elif kind == "json_object":
+            specs.append({"type": "json_object", "value": None})
+        elif kind != "text":
+            raise RequestError(f"response_format type must be 'text', 'json_object' or 'json_schema', "
+                               f"got {kind!r}", param="response_format")
+    if req.guided_json is not None:
+        value = req.guided_json if isinstance(req.guided_json, str) else json.dumps(req.guided_json)
+        specs.append({"type": "json_schema", "value": value})
+    if req.guided_regex is not None:
+        specs.append({"type": "regex", "value": req.guided_regex})
+    if req.guided_choice is not None:
+        if not req.guided_choice:
+            raise RequestError("guided_choice must not be empty", param="guided_choice")
+        specs.append({"type": "choice", "value": list(req.guided_choice)})
+    if req.guided_grammar is not None:
+        specs.append({"type": "grammar", "value": req.guided_grammar})
+    if len(specs) > 1:
+        raise RequestError("set at most one of response_format (non-text), guided_json, guided_regex, "
+                           "guided_choice, guided_grammar", param="response_format")
+    return specs[0] if specs else None
+
+
+def fit_max_tokens(params: SamplingParams, num_prompt_tokens: int, max_model_len: int) -> SamplingParams:
+    """A copy of ``params`` whose max_tokens fits the context; RequestError if the prompt does not."""
+    if num_prompt_tokens == 0:
+        raise RequestError("the prompt is empty", param="prompt")
+    if num_prompt_tokens >= max_model_len:
+        raise RequestError(
+            f"this model's maximum context length is {max_model_len} tokens, and the prompt has "
+            f"{num_prompt_tokens} tokens (leaving no room for a generated token); shorten the prompt",
+            param="prompt", code="context_length_exceeded")
+    room = max_model_len - num_prompt_tokens
+    max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+    return msgspec.structs.replace(params, max_tokens=max_tokens,
+                                   min_tokens=min(params.min_tokens, max_tokens))

@@ -1,0 +1,195 @@
+"""The aiohttp application: routes, error bodies, health/readiness, metrics, draining.
+
+    POST /v1/completions, /v1/chat/completions   (frontend.serving)
+    POST /v1/embeddings                           (frontend.embeddings, pooling models)
+    GET  /v1/models   (with the engines' weight_version / weight_versions)
+    GET  /health    200 while the process runs (liveness)
+    GET  /ready     200 when at least one engine is running and we are not draining, else 503
+    GET  /metrics   Prometheus text
+
+``create_server(client, model_dir, ...)`` builds the real collaborators (tokenizer,
+detokenizer, Generator) in one place; ``FrontendServer`` takes them ready-made, so tests
+can hand it fakes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+from pathlib import Path
+
+from aiohttp import web
+
+from planaria.frontend import responses as R
+from planaria.frontend.errors import FrontendError, ServiceUnavailableError, error_body
+from planaria.frontend.generation import Generator
+from planaria.frontend.metrics import FrontendMetrics
+from planaria.frontend.serving import ModelInfo, OpenAIServing
+
+log = logging.getLogger(__name__)
+
+MAX_BODY_BYTES = 64 * 2**20
+ENGINE_WATCH_INTERVAL_S = 0.5
+
+
+class FrontendServer:
+    def __init__(self, client, serving: OpenAIServing, metrics: FrontendMetrics) -> None:
+        self.client = client
+        self.serving = serving
+        self.metrics = metrics
+        self.created = R.now_s()
+        self.draining = False
+        self.num_in_flight = 0
+        self.embeddings = None  # frontend.embeddings.EmbeddingServing (create_server sets it)
+        self.admin = None  # frontend.admin.EngineAdmin (create_server sets it): weight versions
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    # -- app ------------------------------------------------------------------------------
+    def build_app(self) -> web.Application:
+        app = web.Application(middlewares=[self._errors_middleware], client_max_size=MAX_BODY_BYTES)
+        app.router.add_post("/v1/completions", self._generation(self.serving.completions))
+        app.router.add_post("/v1/chat/completions", self._generation(self.serving.chat))
+        if self.embeddings is not None:
+            app.router.add_post("/v1/embeddings", self._generation(self.embeddings.embeddings))
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/ready", self.ready)
+        app.router.add_get("/metrics", self.metrics_text)
+        app.cleanup_ctx.append(self._engine_watch)
+        return app
+
+    async def _engine_watch(self, app: web.Application):
+        async def watch() -> None:
+            while True:
+                self.metrics.observe_engines(self.client.engines)
+                await asyncio.sleep(ENGINE_WATCH_INTERVAL_S)
+
+        task = asyncio.create_task(watch(), name="frontend-engine-watch")
+        yield
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+    @web.middleware
+    async def _errors_middleware(self, request: web.Request, handler):
+        """Exceptions become OpenAI error bodies here, and only here."""
+        try:
+            return await handler(request)
+        except FrontendError as exc:
+            if exc.status >= 500:
+                log.warning("%s %s: %s", request.method, request.path, exc)
+            return web.json_response(exc.body(), status=exc.status)
+        except web.HTTPException as exc:
+            if exc.status < 400:
+                raise
+            return web.json_response(error_body(exc.reason, "invalid_request_error" if exc.status < 500
+                                                 else "internal_server_error", code=str(exc.status)),
+                                     status=exc.status, headers={k: v for k, v in exc.headers.items()
+                                                                 if k.lower() == "allow"})
+        except (asyncio.CancelledError, ConnectionResetError):
+            raise
+        except Exception as exc:
+            log.exception("%s %s failed", request.method, request.path)
+            return web.json_response(error_body(f"internal error: {type(exc).__name__}: {exc}",
+                                                "internal_server_error"), status=500)
+
+    def _generation(self, handler):
+        async def tracked(request: web.Request) -> web.StreamResponse:
+            if self.draining:
+                raise ServiceUnavailableError("the server is shutting down", code="draining")
+            self.num_in_flight += 1
+            self._idle.clear()
+            try:
+                return await handler(request)
+            finally:
+                self.num_in_flight -= 1
+                if self.num_in_flight == 0:
+                    self._idle.set()
+
+        return tracked
+
+    async def wait_idle(self, timeout_s: float) -> bool:
+        """Until no generation request is in flight; False at the timeout."""
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout_s)
+            return True
+        except asyncio.TimeoutError:
+            return False
+
+    # -- small endpoints ------------------------------------------------------------------
+    async def health(self, request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    async def ready(self, request: web.Request) -> web.Response:
+        engines = self.client.engines
+        num_healthy = sum(e.healthy for e in engines)
+        ok = num_healthy > 0 and not self.draining
+        body = {"ready": ok, "draining": self.draining, "num_healthy_engines": num_healthy,
+                "engines": [{"index": e.index, "state": e.state, "pid": e.pid} for e in engines]}
+        return web.json_response(body, status=200 if ok else 503)
+
+    async def models(self, request: web.Request) -> web.Response:
+        m = self.serving.model
+        versions = await self.admin.weight_versions() if self.admin is not None else None
+        return web.json_response(R.model_list(m.name, self.created, self.serving.max_model_len, m.path, versions))
+
+    async def metrics_text(self, request: web.Request) -> web.Response:
+        text = self.metrics.render(self.client.engines, self.num_in_flight)
+        return web.Response(text=text, content_type="text/plain", charset="utf-8",
+                            headers={"X-Prometheus-Format": "0.0.4"})
+
+
+# -- building the real thing -------------------------------------------------------------
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        return {}
+
+
+def load_model_info(model_dir: str | Path, tokenizer, served_model_name: str | None = None,
+                    max_model_len: int | None = None, max_logprobs: int = 20) -> ModelInfo:
+    d = Path(model_dir)
+    cfg = _read_json(d / "config.json")
+    gen = _read_json(d / "generation_config.json")
+    eos = gen.get("eos_token_id", cfg.get("eos_token_id", tokenizer.eos_token_id))
+    eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
+    vocab_size = cfg.get("vocab_size") or len(tokenizer)
+    return ModelInfo(
+        name=served_model_name or d.resolve().name, path=str(model_dir), vocab_size=vocab_size,
+        max_model_len=max_model_len or cfg.get("max_position_embeddings") or 2048,
+        eos_token_id=eos_ids[0] if eos_ids else None, extra_eos_token_ids=eos_ids[1:],
+        max_logprobs=max_logprobs)
+
+
+def create_server(client, model_dir: str | Path, served_model_name: str | None = None,
+                  max_model_len: int | None = None, max_logprobs: int = 20) -> FrontendServer:
+    """The real collaborators, built in one place: HF tokenizer, incremental detokenizer."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import AutoTokenizer
+
+    from planaria.engine.detokenizer import IncrementalDetokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    model = load_model_info(model_dir, tokenizer, served_model_name, max_model_len, max_logprobs)
+    metrics = FrontendMetrics(model.name)
+    client.on_iteration_details = metrics.iterations.observe
+    generator = Generator(client, lambda ids, params: IncrementalDetokenizer(tokenizer, ids, params), metrics)
+
+    def engine_max_model_len() -> int | None:
+        lens = [e.max_model_len for e in client.engines if e.healthy and e.max_model_len]
+        return min(lens) if lens else max_model_len
+
+    serving = OpenAIServing(generator, tokenizer, model, engine_max_model_len)
+    server = FrontendServer(client, serving, metrics)
+    from planaria.frontend.admin import EngineAdmin
+
+    server.admin = EngineAdmin(client, utility_timeout_s=2.0)
+    from planaria.engine.pooling.loader import is_bert_config
+    from planaria.frontend.embeddings import EmbeddingServing
+
+    server.embeddings = EmbeddingServing(client, tokenizer, model.name, model.path, lambda: serving.max_model_len,
+                                         is_bert_config(_read_json(Path(model_dir) / "config.json")))
+    return server
