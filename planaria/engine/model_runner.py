@@ -14,10 +14,10 @@ from planaria.engine.errors import KVCacheTooSmallError, RequestExecutionError
 from planaria.engine.memory import MemoryProfile, device_memory_bytes, measure_peak, tune_cpu_allocator
 from planaria.engine.models.loader import load_model
 from planaria.engine.request import Request
+from planaria.engine.sampler import Sampler
 from planaria.engine.sampling_metadata import SamplingMetadata
 from planaria.engine.scheduler import SchedulerOutput
 from planaria.kernels.attention import build_metadata
-from planaria.kernels.sampling import Sampler
 
 log = structlog.get_logger("planaria.engine.runner")
 

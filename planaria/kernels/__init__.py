@@ -2,12 +2,18 @@
 routing and grouped expert matmul (moe.py), RMSNorm (norm.py), rotary (rotary.py),
 sampling (sampling.py), pooling (pooling.py).
 
+Tensors in, tensors out: the kernels import nothing else of planaria (checked by
+tests/test_layers.py) and reject bad arguments with ValueError. What reads requests or
+configs lives in the engine: the sampler that turns a step's SamplingMetadata into tokens
+and Logprobs records is engine/sampler.py, the rotary frequencies of a checkpoint's config
+are engine/models/rope.py.
+
 There are no separate GPU kernels (no Triton or CUDA code): the same torch code runs on
 CPU, where it is the reference, and on CUDA. tests/kernels/test_*.py check each kernel on
 CPU against naive references; tests/kernels/test_kernels_gpu.py (marked ``gpu``, skipped
 without a CUDA device) runs them, and a short engine generate, on CUDA in float32 and
 bfloat16 and compares with the CPU results.
 
-Note: this top-level package shadows the Hugging Face ``kernels`` hub package by import
-name; tests/engine/test_demo_model.py checks transformers still reports it unavailable.
+The package is ``planaria.kernels``, so it does not shadow the Hugging Face ``kernels`` hub
+package that transformers imports (tests/test_namespace.py checks both work side by side).
 """

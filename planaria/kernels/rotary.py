@@ -1,37 +1,24 @@
 """Rotary position embedding (neox / rotate-half layout, as Llama-family checkpoints use).
 
-The inverse frequencies come from transformers' ROPE_INIT_FUNCTIONS so every rope_type a
-checkpoint declares (default, linear, dynamic-free llama3, yarn, ...) is computed the same
-way the reference does.
+The caller gives the inverse frequencies and the attention scaling; engine/models/rope.py
+computes them from a checkpoint's config (every rope_type it declares).
 """
 
 import torch
 
 
-def compute_inv_freq(hf_config) -> tuple[torch.Tensor, float]:
-    params = getattr(hf_config, "rope_parameters", None) or {}
-    rope_type = params.get("rope_type", "default")
-    if rope_type == "default":
-        base = params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
-        dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
-        inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
-        return inv_freq, 1.0
-    if rope_type == "dynamic":
-        from planaria.engine.errors import UnsupportedModelError
-
-        raise UnsupportedModelError("rope_type 'dynamic' is not supported")
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
-    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, "cpu")
-    return inv_freq, float(scaling)
-
-
 class RotaryEmbedding(torch.nn.Module):
-    """Precomputes cos/sin for every position up to max_positions."""
+    """Precomputes cos/sin for every position up to max_positions from ``inv_freq`` [D/2];
+    both tables are multiplied by ``scaling`` (yarn's attention scaling; 1.0 otherwise)."""
 
-    def __init__(self, hf_config, max_positions: int, dtype: torch.dtype) -> None:
+    def __init__(self, inv_freq: torch.Tensor, max_positions: int, dtype: torch.dtype,
+                 scaling: float = 1.0) -> None:
         super().__init__()
-        inv_freq, scaling = compute_inv_freq(hf_config)
+        if inv_freq.dim() != 1 or inv_freq.numel() == 0 or not inv_freq.is_floating_point():
+            raise ValueError(f"inv_freq must be a non-empty 1-D float tensor, got "
+                             f"{inv_freq.dtype} of shape {tuple(inv_freq.shape)}")
+        if max_positions < 1:
+            raise ValueError(f"max_positions must be >= 1, got {max_positions}")
         pos = torch.arange(max_positions, dtype=torch.float)
         freqs = pos[:, None] * inv_freq[None, :]  # [P, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)  # [P, D]

@@ -1,54 +1,21 @@
-"""The sampler: logits [N, V] and a step's SamplingMetadata -> one token per row.
+"""Sampling kernels on logits [N, V]: penalties, masking, temperature / min_p / top-k /
+top-p, the exponential race, logprobs. Pure tensor functions; the request-level sampler
+that reads a step's SamplingMetadata and builds Logprobs records is engine/sampler.py.
 
-Order of operations as in vLLM v1: penalties (repetition, presence, frequency), min_tokens
-masking of stop/eos ids, greedy argmax for greedy rows; then for random rows temperature,
-min_p, top-k, top-p and the exponential race (argmax of probs / q, q ~ Exp(1)). Logprobs
-come from the log-softmax of the post-penalty, pre-temperature logits (before min_tokens
-masking). ``sampled_rank`` is 1-based as in vLLM: the number of tokens whose logprob is at
-least the sampled token's.
-
-Seeded rows draw q from a generator seeded for this step only (engine/sampling_metadata.py),
-so a row's token does not depend on which other rows share the batch; unseeded rows share
-one draw from the global RNG.
+The exponential race draws q ~ Exp(1) per (row, token) and takes argmax(probs / q), an
+exact sample from probs. Seeded rows draw q from a generator seeded with the given seed
+alone, so a row's token does not depend on which other rows share the batch; unseeded rows
+share one draw from the global RNG.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Iterable
 
 import torch
 
-from planaria.engine.messages import Logprobs
-from planaria.engine.sampling_metadata import PenaltyInputs, SamplingMetadata
-
 _NEG_INF = float("-inf")
-
-
-@dataclass(slots=True)
-class SamplerOutput:
-    sampled_token_ids: torch.Tensor  # [N] int64
-    logprobs: list[Logprobs | None] | None  # [N], None on rows that did not ask; None if none did
-
-
-class Sampler:
-    def __call__(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
-        # logits: [N, V] float32
-        if md.plain_greedy:
-            return SamplerOutput(argmax_rows(logits), None)
-        if md.penalties is not None:
-            logits = apply_penalties(logits, md.penalties)
-        lp_logits = logits
-        if md.stop_mask_rows is not None:
-            logits = logits.index_put((md.stop_mask_rows, md.stop_mask_token_ids),
-                                      torch.tensor(_NEG_INF, device=logits.device))
-        if md.all_greedy:
-            sampled = argmax_rows(logits)  # [N]
-        else:
-            sampled = sample_random(logits, md)  # [N]
-            if not md.all_random:
-                sampled = torch.where(md.greedy_mask, argmax_rows(logits), sampled)
-        logprobs = gather_logprobs(lp_logits, sampled, md) if md.max_num_logprobs is not None else None
-        return SamplerOutput(sampled, logprobs)
 
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
@@ -79,37 +46,50 @@ def _argmax_block(vocab_size: int) -> int:
     return 0
 
 
-def apply_penalties(logits: torch.Tensor, p: PenaltyInputs) -> torch.Tensor:
-    """Out of place. Repetition: tokens seen in prompt or output have positive logits
-    divided and negative ones multiplied by the penalty; presence and frequency subtract
-    per output token (once, and once per occurrence)."""
+def apply_penalties(logits: torch.Tensor, rows: torch.Tensor, repetition: torch.Tensor,
+                    presence: torch.Tensor, frequency: torch.Tensor, prompt_mask: torch.Tensor,
+                    output_token_ids: torch.Tensor) -> torch.Tensor:
+    """Out of place, on the P ``rows`` [P] of ``logits`` [N, V]; the other rows are left
+    untouched. Repetition: tokens seen in the prompt (``prompt_mask`` [P, V] bool) or the
+    output (``output_token_ids`` [P, L], right-padded with V, a dropped bin) have positive
+    logits divided and negative ones multiplied by ``repetition`` [P]; ``presence`` and
+    ``frequency`` [P] subtract per output token (once, and once per occurrence)."""
     vocab_size = logits.shape[1]
-    sub = logits.index_select(0, p.rows)  # [P, V]
+    sub = logits.index_select(0, rows)  # [P, V]
     counts = torch.zeros(sub.shape[0], vocab_size + 1, dtype=sub.dtype, device=sub.device)  # [P, V+1]
-    counts.scatter_add_(1, p.output_token_ids, torch.ones_like(p.output_token_ids, dtype=sub.dtype))
+    counts.scatter_add_(1, output_token_ids, torch.ones_like(output_token_ids, dtype=sub.dtype))
     counts = counts[:, :vocab_size]  # [P, V], drop the padding bin
     in_output = counts > 0  # [P, V]
-    rep = p.repetition.unsqueeze(1)  # [P, 1]
-    seen = p.prompt_mask | in_output
+    rep = repetition.unsqueeze(1)  # [P, 1]
+    seen = prompt_mask | in_output
     sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
-    sub = sub - p.frequency.unsqueeze(1) * counts - p.presence.unsqueeze(1) * in_output
-    return logits.index_copy(0, p.rows, sub)
+    sub = sub - frequency.unsqueeze(1) * counts - presence.unsqueeze(1) * in_output
+    return logits.index_copy(0, rows, sub)
 
 
-def sample_random(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
-    """[N, V] -> [N] by temperature, min_p, top-k, top-p and the exponential race. Greedy
-    rows (temperature 1, filters off) are computed too and discarded by the caller."""
-    x = logits / md.temperature.unsqueeze(1)  # [N, V]
-    if md.min_p is not None:
+def mask_tokens(logits: torch.Tensor, rows: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+    """Out of place: -inf at the (``rows`` [M], ``token_ids`` [M]) pairs of ``logits`` [N, V]."""
+    return logits.index_put((rows, token_ids), torch.tensor(_NEG_INF, device=logits.device))
+
+
+def sample_random(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor | None = None,
+                  top_p: torch.Tensor | None = None, min_p: torch.Tensor | None = None,
+                  seeds: Iterable[tuple[int, int]] = ()) -> torch.Tensor:
+    """[N, V] -> [N] by ``temperature`` [N], ``min_p`` [N] (0 = off), top-k and top-p (see
+    ``apply_top_k_top_p``) and the exponential race. ``seeds``: (row, seed) pairs whose
+    race draws from a generator seeded with ``seed``. A row at temperature 1 with every
+    filter off samples from softmax(logits)."""
+    x = logits / temperature.unsqueeze(1)  # [N, V]
+    if min_p is not None:
         probs = x.softmax(dim=-1)
         top = probs.amax(dim=-1, keepdim=True)  # [N, 1]
-        x = x.masked_fill(probs < md.min_p.unsqueeze(1) * top, _NEG_INF)
-    x = apply_top_k_top_p(x, md.top_k, md.top_p)
+        x = x.masked_fill(probs < min_p.unsqueeze(1) * top, _NEG_INF)
+    x = apply_top_k_top_p(x, top_k, top_p)
     probs = x.softmax(dim=-1)  # [N, V]
     # q ~ Exp(1) as -log(u), u ~ U[0, 1): q > 0, so probs / q is never 0/0 = NaN. (Also
     # several times faster than exponential_ on CPU.)
     u = torch.empty_like(probs).uniform_()  # [N, V]
-    for row, seed in md.seeds:
+    for row, seed in seeds:
         gen = torch.Generator(device=probs.device)
         gen.manual_seed(seed)
         u[row].uniform_(generator=gen)
@@ -119,8 +99,8 @@ def sample_random(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None,
                       top_p: torch.Tensor | None) -> torch.Tensor:
-    """Mask to -inf what top-k (per row, V = off) and top-p (1.0 = off) exclude. The top
-    token always survives."""
+    """Mask to -inf what top-k (per row [N] int64, V = off) and top-p ([N], 1.0 = off)
+    exclude. The top token always survives."""
     if top_p is None:
         return logits if top_k is None else _apply_top_k(logits, top_k)
     srt, order = logits.sort(dim=-1, descending=False)  # [N, V] ascending
@@ -143,23 +123,30 @@ def _apply_top_k(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill(logits < kth, _NEG_INF)
 
 
-def gather_logprobs(logits: torch.Tensor, sampled: torch.Tensor,
-                    md: SamplingMetadata) -> list[Logprobs | None]:
-    """Per row that asked: the sampled token then the top-n, from log_softmax(logits)."""
-    rows = md.logprob_rows  # [R]
+@dataclass(slots=True)
+class TokenLogprobs:
+    """Logprobs of R rows: the sampled token's, its rank, and the top-n of each row."""
+
+    token_ids: torch.Tensor  # [R] int64, the sampled tokens
+    logprobs: torch.Tensor  # [R], their logprobs
+    ranks: torch.Tensor  # [R] int64, 1-based: tokens whose logprob is >= the sampled one's
+    top_token_ids: torch.Tensor  # [R, n] int64, most likely first
+    top_logprobs: torch.Tensor  # [R, n]
+
+
+def compute_logprobs(logits: torch.Tensor, sampled: torch.Tensor, rows: torch.Tensor,
+                     num_top: int) -> TokenLogprobs:
+    """From log_softmax(``logits`` [N, V]) on ``rows`` [R]: the ``sampled`` [N] token's
+    logprob and rank, and the ``num_top`` most likely tokens (0 <= num_top <= V)."""
+    if not 0 <= num_top <= logits.shape[1]:
+        raise ValueError(f"num_top must be in [0, {logits.shape[1]}], got {num_top}")
     lp = logits.index_select(0, rows).log_softmax(dim=-1)  # [R, V]
     tok = sampled.index_select(0, rows).unsqueeze(1)  # [R, 1]
     tok_lp = lp.gather(1, tok)  # [R, 1]
-    ranks = (lp >= tok_lp).sum(dim=-1).tolist()  # [R]
-    tok_ids, tok_lps = tok.squeeze(1).tolist(), tok_lp.squeeze(1).tolist()
-    if md.max_num_logprobs > 0:
-        top_lp, top_ids = lp.topk(md.max_num_logprobs, dim=-1)  # [R, n]
-        top_lp, top_ids = top_lp.tolist(), top_ids.tolist()
+    ranks = (lp >= tok_lp).sum(dim=-1)  # [R]
+    if num_top > 0:
+        top_lp, top_ids = lp.topk(num_top, dim=-1)  # [R, n]
     else:
-        top_lp = top_ids = [[] for _ in md.num_logprobs]
-    out: list[Logprobs | None] = [None] * md.num_rows
-    for j, (row, n) in enumerate(zip(rows.tolist(), md.num_logprobs)):
-        out[row] = Logprobs(token_ids=[tok_ids[j]] + top_ids[j][:n],
-                            logprobs=[tok_lps[j]] + top_lp[j][:n],
-                            sampled_rank=ranks[j])
-    return out
+        top_lp = lp.new_empty(lp.shape[0], 0)
+        top_ids = torch.empty(lp.shape[0], 0, dtype=torch.int64, device=lp.device)
+    return TokenLogprobs(tok.squeeze(1), tok_lp.squeeze(1), ranks, top_ids, top_lp)

@@ -21,7 +21,7 @@ from planaria.engine.config import EngineConfig
 from planaria.engine.core import EngineCore
 from planaria.engine.errors import ModelLoadError
 from planaria.engine.models.loader import load_expert_weights, load_model
-from planaria.kernels.rotary import RotaryEmbedding
+from planaria.engine.models.rope import rotary_from_config
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -80,7 +80,7 @@ def test_every_parameter_equals_its_checkpoint_tensors(tiny_moe, dtype, experts)
     _assert_params(model, _expected(_checkpoint(tiny_moe), spec, start, end), dtype)
     assert num_bytes == sum(p.numel() * p.element_size() for p in model.parameters())
     # rotary tables are computed on the device, not left from the (meta) build
-    ref = RotaryEmbedding(cfg, 128, dtype)
+    ref = rotary_from_config(cfg, 128, dtype)
     assert not model.rotary.cos.is_meta and torch.equal(model.rotary.cos, ref.cos)
     assert torch.equal(model.rotary.sin, ref.sin) and torch.isfinite(model.rotary.cos).all()
     # re-homing experts fills the same way

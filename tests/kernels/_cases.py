@@ -197,6 +197,14 @@ def rope_config(rope_type: str):
                        max_position_embeddings=2048, rope_parameters=params)
 
 
+def rope_frequencies(cfg) -> tuple[torch.Tensor, float]:
+    """transformers' own Llama (inv_freq [D/2], attention scaling) for ``cfg``."""
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    rope = LlamaRotaryEmbedding(cfg)
+    return rope.inv_freq, float(rope.attention_scaling)
+
+
 def rope_reference(cfg, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
     """transformers' own Llama rotary embedding and apply_rotary_pos_emb, in float32."""
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb

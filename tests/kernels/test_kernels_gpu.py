@@ -11,7 +11,7 @@ from planaria.kernels.moe import grouped_expert_mlp, route
 from planaria.kernels.norm import rms_norm
 from planaria.kernels.rotary import RotaryEmbedding
 from tests.kernels._cases import (attention_case, attention_inputs, attention_reference, moe_case,
-                                  moe_reference, rms_norm_reference, rope_config)
+                                  moe_reference, rms_norm_reference, rope_config, rope_frequencies)
 
 pytestmark = pytest.mark.gpu
 DEVICE = "cuda"
@@ -68,8 +68,9 @@ def test_rotary_gpu_matches_cpu(dtype, rtol, atol, rope_type):
     cfg = rope_config(rope_type)
     positions = torch.tensor([0, 3, 255, 256, 2047, 9])
     q, k = torch.randn(6, 4, 32), torch.randn(6, 2, 32)
-    cpu = RotaryEmbedding(cfg, 2048, torch.float32)
-    gpu = RotaryEmbedding(cfg, 2048, dtype).to(DEVICE)
+    inv_freq, scaling = rope_frequencies(cfg)
+    cpu = RotaryEmbedding(inv_freq, 2048, torch.float32, scaling)
+    gpu = RotaryEmbedding(inv_freq, 2048, dtype, scaling).to(DEVICE)
     oq, ok = gpu(positions.to(DEVICE), q.to(DEVICE, dtype), k.to(DEVICE, dtype))
     rq, rk = cpu(positions, q, k)
     # bf16 cos/sin tables lose ~3 digits; positions up to 2047 keep that relative error

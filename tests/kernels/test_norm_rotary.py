@@ -1,12 +1,14 @@
 """RMSNorm and rotary embeddings (kernels/norm.py, kernels/rotary.py) on CPU against a
-float64 formula and against transformers' Llama implementations."""
+float64 formula and against transformers' Llama implementations. The rotary kernel is
+given transformers' own frequencies; the frequencies planaria computes from a config
+(engine/models/rope.py) are tested in tests/engine/test_rope.py."""
 
 import pytest
 import torch
 
 from planaria.kernels.norm import RMSNorm, rms_norm
-from planaria.kernels.rotary import RotaryEmbedding, compute_inv_freq
-from tests.kernels._cases import rms_norm_reference, rope_config, rope_reference
+from planaria.kernels.rotary import RotaryEmbedding
+from tests.kernels._cases import rms_norm_reference, rope_config, rope_frequencies, rope_reference
 
 
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-6), (torch.bfloat16, 1e-2)])
@@ -39,31 +41,26 @@ def test_rotary_matches_transformers(rope_type):
     positions = torch.tensor([0, 1, 2, 17, 255, 256, 1000, 2047, 5])  # any order, as in a batch
     q = torch.randn(len(positions), 4, 32, generator=g)
     k = torch.randn(len(positions), 2, 32, generator=g)
-    rope = RotaryEmbedding(cfg, 2048, torch.float32)
+    inv_freq, scaling = rope_frequencies(cfg)
+    rope = RotaryEmbedding(inv_freq, 2048, torch.float32, scaling)
     oq, ok = rope(positions, q, k)
     rq, rk = rope_reference(cfg, positions, q, k)
     torch.testing.assert_close(oq, rq, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(ok, rk, rtol=1e-5, atol=1e-5)
 
 
-def test_rotary_default_frequencies_and_norm():
-    cfg = rope_config("default")
-    inv_freq, scaling = compute_inv_freq(cfg)
-    expected = 1.0 / 10000.0 ** (torch.arange(0, 32, 2, dtype=torch.float64) / 32)
-    torch.testing.assert_close(inv_freq.double(), expected, rtol=1e-6, atol=0)
-    assert scaling == 1.0
-    rope = RotaryEmbedding(cfg, 64, torch.float32)
+def test_rotary_is_a_rotation():
+    inv_freq = 1.0 / 10000.0 ** (torch.arange(0, 32, 2, dtype=torch.float) / 32)
+    rope = RotaryEmbedding(inv_freq, 64, torch.float32)
     q = torch.randn(3, 4, 32)
     oq, _ = rope(torch.tensor([0, 7, 63]), q, q[:, :2])
     assert torch.equal(oq[0], q[0])  # position 0 is the identity
     torch.testing.assert_close(oq.norm(dim=-1), q.norm(dim=-1))  # a rotation keeps lengths
 
 
-def test_dynamic_rope_is_refused():
-    from planaria.engine.errors import UnsupportedModelError
-    from transformers import LlamaConfig
-
-    cfg = LlamaConfig(hidden_size=128, num_attention_heads=4, head_dim=32,
-                      rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0})
-    with pytest.raises(UnsupportedModelError, match="dynamic"):
-        compute_inv_freq(cfg)
+@pytest.mark.parametrize("inv_freq, max_positions", [(torch.ones(2, 8), 16), (torch.ones(0), 16),
+                                                     (torch.arange(8), 16), (torch.ones(8), 0)],
+                         ids=["2-d", "empty", "integer", "no-positions"])
+def test_rotary_rejects_bad_arguments(inv_freq, max_positions):
+    with pytest.raises(ValueError):
+        RotaryEmbedding(inv_freq, max_positions, torch.float32)

@@ -1,205 +1,119 @@
-"""Sampler and SamplingMetadata: greedy, filters, seeds and replay, penalties, logprobs."""
+"""Sampling kernels (kernels/sampling.py) on plain tensors: argmax, penalties, masking,
+top-k/top-p/min_p, the seeded exponential race, logprobs. The request-level sampler built
+on them is tested in tests/engine/test_sampler.py."""
 
 from __future__ import annotations
-
-import math
 
 import pytest
 import torch
 
-from planaria.engine.request import Request
-from planaria.engine.sampling_metadata import PRIOR_OUTPUT_TOKENS_KEY, SamplingMetadata
-from planaria.engine.sampling_params import SamplingParams
-from planaria.kernels.sampling import Sampler
+from planaria.kernels.sampling import (apply_penalties, apply_top_k_top_p, argmax_rows,
+                                       compute_logprobs, mask_tokens, sample_random)
 
 V = 64
-EOS = 3
-
-
-def _req(params: SamplingParams, prompt=(1, 2, 5), output=(), rid="r") -> Request:
-    r = Request(rid, list(prompt), params, EOS, max_tokens=100)
-    for t in output:
-        r.append_output_token(t)
-    return r
-
-
-def _sample(logits, reqs):
-    md = SamplingMetadata.build(reqs, logits.shape[1], "cpu")
-    return Sampler()(logits, md)
+NEG_INF = float("-inf")
 
 
 @pytest.fixture
 def logits():
     g = torch.Generator().manual_seed(0)
-    return torch.randn(8, V, generator=g) * 3  # [N, V]
-
-
-def test_greedy_is_argmax_on_the_fast_path(logits):
-    reqs = [_req(SamplingParams(temperature=0)) for _ in range(8)]
-    md = SamplingMetadata.build(reqs, V, "cpu")
-    assert md.plain_greedy and md.temperature is None and md.penalties is None
-    out = Sampler()(logits, md)
-    assert torch.equal(out.sampled_token_ids, logits.argmax(-1))
-    assert out.logprobs is None
-
-
-@pytest.mark.parametrize("params", [SamplingParams(top_k=1), SamplingParams(top_p=1e-6),
-                                    SamplingParams(top_k=1, top_p=0.5, min_p=0.1),
-                                    SamplingParams(min_p=1.0)])
-def test_filters_down_to_one_token_equal_greedy(logits, params):
-    torch.manual_seed(1)
-    for _ in range(5):
-        out = _sample(logits, [_req(params) for _ in range(8)])
-        assert torch.equal(out.sampled_token_ids, logits.argmax(-1))
-
-
-def _draws(row_logits, params, n=4000):
-    torch.manual_seed(123)
-    x = row_logits.expand(n, -1).contiguous()  # [n, V]
-    out = _sample(x, [_req(params, rid=str(i)) for i in range(n)])
-    return torch.bincount(out.sampled_token_ids, minlength=x.shape[1])
-
-
-def test_min_p_filters_unlikely_tokens():
-    row = torch.log(torch.tensor([0.5, 0.3, 0.1, 0.06, 0.04]))
-    counts = _draws(row, SamplingParams(min_p=0.15))  # threshold 0.075
-    assert counts[3] == 0 and counts[4] == 0 and counts[:3].min() > 0
-
-
-def test_top_k_and_top_p_keep_the_right_sets():
-    row = torch.log(torch.tensor([0.05, 0.4, 0.3, 0.15, 0.1]))
-    assert set(_draws(row, SamplingParams(top_k=2)).nonzero().flatten().tolist()) == {1, 2}
-    # top_p=0.8: 0.4 + 0.3 = 0.7 < 0.8, so 0.15 is kept too
-    assert set(_draws(row, SamplingParams(top_p=0.8)).nonzero().flatten().tolist()) == {1, 2, 3}
-    assert set(_draws(row, SamplingParams(top_p=0.8, top_k=2)).nonzero().flatten().tolist()) == {1, 2}
-
-
-@pytest.mark.parametrize("temperature", [0.5, 1.0, 2.0])
-def test_temperature_matches_the_softmax_distribution(temperature):
-    row = torch.tensor([1.0, 0.5, 0.0, -0.5, -1.0, 2.0])
-    n = 20000
-    counts = _draws(row, SamplingParams(temperature=temperature), n=n).double()
-    expected = torch.softmax(row.double() / temperature, -1) * n
-    chi2 = float(((counts - expected) ** 2 / expected).sum())
-    assert chi2 < 25.0  # 5 dof: p < 1e-4 of failing by chance
-
-
-def test_seeded_rows_reproduce_regardless_of_batch():
-    g = torch.Generator().manual_seed(7)
-    row = torch.randn(V, generator=g)
-    seeded = SamplingParams(temperature=1.0, seed=42, top_p=0.95)
-
-    def token(batch_logits, reqs, idx):
-        torch.manual_seed(int(torch.randint(0, 10**6, ()).item()))  # global RNG differs each call
-        return int(_sample(batch_logits, reqs).sampled_token_ids[idx])
-
-    outputs = tuple(range(10, 17))  # step 7: seven tokens already produced
-    alone = token(row[None], [_req(seeded, output=outputs)], 0)
-    others = torch.randn(5, V, generator=g)
-    batch = torch.cat([others[:3], row[None], others[3:]])  # [6, V], our row at index 3
-    mates = [_req(SamplingParams(temperature=0.7)) for _ in range(3)] + [_req(SamplingParams(temperature=0))] * 2
-    reqs = mates[:3] + [_req(seeded, output=outputs)] + mates[3:]
-    for _ in range(3):
-        assert token(batch, reqs, 3) == alone
-    # replay: the same request resubmitted as prompt + produced tokens lands on the same draw
-    replay = _req(seeded, prompt=(1, 2, 5) + outputs)
-    replay.extra[PRIOR_OUTPUT_TOKENS_KEY] = len(outputs)
-    assert token(row[None], [replay], 0) == alone
-
-
-def test_seeds_differ_per_step_and_per_seed():
-    row = torch.zeros(1, 1000)  # uniform: every draw is the race alone
-    def tok(seed, step):
-        return int(_sample(row, [_req(SamplingParams(seed=seed), output=[7] * step)]).sampled_token_ids[0])
-    by_step = {tok(1, s) for s in range(20)}
-    by_seed = {tok(s, 3) for s in range(20)}
-    assert len(by_step) > 10 and len(by_seed) > 10
-    assert tok(5, 4) == tok(5, 4)
-
-
-def _reference_penalties(row, prompt, output, rep, pres, freq):
-    row = row.clone()
-    for t in set(prompt) | set(output):
-        row[t] = row[t] / rep if row[t] > 0 else row[t] * rep
-    for t in set(output):
-        row[t] -= pres + freq * output.count(t)
-    return row
-
-
-def test_penalties_match_a_direct_computation(logits):
-    prompt, output = (1, 2, 5, 9), (5, 9, 9, 11, 11, 11)
-    params = SamplingParams(temperature=0, repetition_penalty=1.3, presence_penalty=0.5,
-                            frequency_penalty=0.25, logprobs=V)
-    reqs = [_req(SamplingParams(temperature=0)), _req(params, prompt, output)]
-    out = _sample(logits[:2], reqs)
-    want = _reference_penalties(logits[1], prompt, list(output), 1.3, 0.5, 0.25)
-    lp = out.logprobs[1]
-    assert out.logprobs[0] is None
-    got = torch.full((V,), float("nan"))
-    got[torch.tensor(lp.token_ids[1:])] = torch.tensor(lp.logprobs[1:])
-    torch.testing.assert_close(got, torch.log_softmax(want, -1), rtol=1e-5, atol=1e-5)
-    assert int(out.sampled_token_ids[1]) == int(want.argmax())
-    assert int(out.sampled_token_ids[0]) == int(logits[0].argmax())
-
-
-def test_min_tokens_masks_eos_and_stop_ids():
-    row = torch.zeros(1, V)
-    row[0, EOS], row[0, 7], row[0, 8] = 10.0, 9.0, 8.0
-    params = SamplingParams(temperature=0, min_tokens=2, stop_token_ids=[7])
-    assert int(_sample(row, [_req(params, output=[1])]).sampled_token_ids[0]) == 8
-    assert int(_sample(row, [_req(params, output=[1, 1])]).sampled_token_ids[0]) == EOS
-    ignore = SamplingParams(temperature=0, min_tokens=2, stop_token_ids=[7], ignore_eos=True)
-    assert int(_sample(row, [_req(ignore)]).sampled_token_ids[0]) == EOS  # eos is not a stop here
-
-
-def test_logprobs_values_and_rank(logits):
-    torch.manual_seed(3)
-    reqs = [_req(SamplingParams(logprobs=3, temperature=0.8), rid=str(i)) for i in range(6)]
-    reqs += [_req(SamplingParams(logprobs=0, temperature=0)), _req(SamplingParams())]
-    out = _sample(logits, reqs)
-    ref = torch.log_softmax(logits, -1)  # [N, V]
-    assert out.logprobs[7] is None
-    for i, lp in enumerate(out.logprobs[:7]):
-        tok = int(out.sampled_token_ids[i])
-        n = 3 if i < 6 else 0
-        assert len(lp.token_ids) == len(lp.logprobs) == n + 1 and lp.token_ids[0] == tok
-        top = ref[i].topk(n)
-        assert lp.token_ids[1:] == top.indices.tolist()
-        assert lp.logprobs == pytest.approx([float(ref[i, tok])] + top.values.tolist(), abs=1e-5)
-        assert lp.sampled_rank == int((ref[i] >= ref[i, tok]).sum())
-    assert out.logprobs[6].sampled_rank == 1
-
-
-def test_mixed_greedy_and_random_rows(logits):
-    torch.manual_seed(5)
-    greedy = SamplingParams(temperature=0)
-    reqs = [greedy if i % 2 else SamplingParams(temperature=1.5) for i in range(8)]
-    md = SamplingMetadata.build([_req(p, rid=str(i)) for i, p in enumerate(reqs)], V, "cpu")
-    assert not md.all_greedy and not md.all_random
-    seen_random = set()
-    for _ in range(20):
-        out = Sampler()(logits, md).sampled_token_ids
-        assert torch.equal(out[1::2], logits[1::2].argmax(-1))
-        seen_random.add(tuple(out[0::2].tolist()))
-    assert len(seen_random) > 1
-    assert all(0 <= t < V for row in seen_random for t in row)
-
-
-def test_metadata_caches_row_constants():
-    r = _req(SamplingParams(temperature=0.5, top_k=5))
-    SamplingMetadata.build([r], V, "cpu")
-    cached = dict(r.extra)
-    SamplingMetadata.build([r], V, "cpu")
-    assert r.extra.keys() == cached.keys() and all(r.extra[k] is cached[k] for k in cached)
-    assert math.isclose(SamplingMetadata.build([r], V, "cpu").temperature.item(), 0.5)
+    return torch.randn(6, V, generator=g) * 3  # [N, V]
 
 
 @pytest.mark.parametrize("vocab_size", [4096, 32000, 1000, 50257])
 def test_argmax_rows_matches_torch_with_ties_and_nan(vocab_size):
-    from planaria.kernels.sampling import argmax_rows
-
     g = torch.Generator().manual_seed(vocab_size)
     x = torch.randint(0, 5, (6, vocab_size), generator=g).float()  # [6, V], many ties
     x[2, 17] = float("nan")
     x[3, vocab_size - 1] = 99.0
     assert torch.equal(argmax_rows(x), x.argmax(-1))
+
+
+def test_penalties_touch_only_their_rows_and_match_a_direct_computation(logits):
+    prompts, outputs = [(1, 2, 5, 9), (0, 3)], [[5, 9, 9, 11, 11, 11], [3]]
+    rep, pres, freq = [1.3, 2.0], [0.5, 0.0], [0.25, 1.0]
+    width = max(map(len, outputs))
+    before = logits.clone()
+    prompt_mask = torch.zeros(2, V, dtype=torch.bool)
+    for i, p in enumerate(prompts):
+        prompt_mask[i, list(p)] = True
+    out = apply_penalties(logits, torch.tensor([1, 4]), torch.tensor(rep), torch.tensor(pres),
+                          torch.tensor(freq), prompt_mask,
+                          torch.tensor([o + [V] * (width - len(o)) for o in outputs]))
+    want = logits.clone()
+    for i, row in enumerate((1, 4)):
+        for t in set(prompts[i]) | set(outputs[i]):
+            want[row, t] = want[row, t] / rep[i] if want[row, t] > 0 else want[row, t] * rep[i]
+        for t in set(outputs[i]):
+            want[row, t] -= pres[i] + freq[i] * outputs[i].count(t)
+    torch.testing.assert_close(out, want)
+    assert torch.equal(logits, before)  # out of place
+
+
+def test_mask_tokens_sets_the_pairs_to_minus_inf(logits):
+    out = mask_tokens(logits, torch.tensor([0, 0, 3]), torch.tensor([7, 9, 7]))
+    assert out[0, 7] == out[0, 9] == out[3, 7] == NEG_INF
+    assert torch.isfinite(out).sum() == logits.numel() - 3 and torch.isfinite(logits).all()
+
+
+def test_top_k_top_p_keep_the_right_sets():
+    row = torch.log(torch.tensor([0.05, 0.4, 0.3, 0.15, 0.1])).expand(4, -1)  # [4, 5]
+    top_k = torch.tensor([2, 5, 2, 1])  # 5 = off
+    top_p = torch.tensor([1.0, 0.8, 0.8, 1e-6])  # 1.0 = off; 0.4 + 0.3 < 0.8 keeps 0.15
+    kept = [set(r.isfinite().nonzero().flatten().tolist()) for r in apply_top_k_top_p(row, top_k, top_p)]
+    assert kept == [{1, 2}, {1, 2, 3}, {1, 2}, {1}]
+    only_k = apply_top_k_top_p(row, top_k, None)
+    assert [set(r.isfinite().nonzero().flatten().tolist()) for r in only_k] == [{1, 2}, set(range(5)), {1, 2}, {1}]
+    assert apply_top_k_top_p(row, None, None) is row
+
+
+def test_sample_random_filters_down_to_greedy(logits):
+    n = logits.shape[0]
+    ones = torch.ones(n)
+    argmax = logits.argmax(-1)
+    assert torch.equal(sample_random(logits, ones, top_k=torch.ones(n, dtype=torch.int64)), argmax)
+    assert torch.equal(sample_random(logits, ones, top_p=torch.full((n,), 1e-6)), argmax)
+    assert torch.equal(sample_random(logits, ones, min_p=torch.ones(n)), argmax)
+
+
+def test_sample_random_follows_the_tempered_softmax():
+    row = torch.tensor([1.0, 0.5, 0.0, -0.5, -1.0, 2.0])
+    n, temperature = 20000, 0.5
+    torch.manual_seed(11)
+    tokens = sample_random(row.expand(n, -1).contiguous(), torch.full((n,), temperature))
+    counts = torch.bincount(tokens, minlength=6).double()
+    expected = torch.softmax(row.double() / temperature, -1) * n
+    assert float(((counts - expected) ** 2 / expected).sum()) < 25.0  # 5 dof: p < 1e-4
+
+
+def test_seeded_rows_do_not_depend_on_the_batch_or_global_rng():
+    g = torch.Generator().manual_seed(7)
+    batch = torch.randn(5, V, generator=g)
+    temps = torch.ones(5)
+    torch.manual_seed(1)
+    alone = sample_random(batch[3:4], temps[:1], seeds=[(0, 1234)])
+    torch.manual_seed(2)
+    together = sample_random(batch, temps, seeds=[(3, 1234), (1, 99)])
+    assert int(together[3]) == int(alone[0])
+    uniform = torch.zeros(20, 1000)  # every draw is the race alone
+    assert len(set(sample_random(uniform, torch.ones(20), seeds=[(i, i) for i in range(20)]).tolist())) > 10
+
+
+@pytest.mark.parametrize("num_top", [0, 3])
+def test_compute_logprobs_values_ranks_and_top(logits, num_top):
+    sampled = torch.tensor([0, 5, logits[2].argmax(), 7, 1, 2])
+    rows = torch.tensor([0, 2, 5])
+    lp = compute_logprobs(logits, sampled, rows, num_top)
+    ref = torch.log_softmax(logits, -1)  # [N, V]
+    assert lp.token_ids.tolist() == [0, int(logits[2].argmax()), 2]
+    torch.testing.assert_close(lp.logprobs, ref[rows, lp.token_ids])
+    assert lp.ranks.tolist() == [int((ref[r] >= ref[r, t]).sum()) for r, t in zip(rows.tolist(), lp.token_ids)]
+    assert lp.ranks[1] == 1  # the argmax ranks first
+    top = ref[rows].topk(num_top)
+    assert lp.top_token_ids.shape == (3, num_top) and torch.equal(lp.top_token_ids, top.indices)
+    torch.testing.assert_close(lp.top_logprobs, top.values)
+
+
+def test_compute_logprobs_rejects_a_bad_top_n(logits):
+    with pytest.raises(ValueError, match="num_top"):
+        compute_logprobs(logits, logits.argmax(-1), torch.tensor([0]), V + 1)

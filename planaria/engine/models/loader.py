@@ -23,7 +23,7 @@ from safetensors import safe_open
 
 from planaria.engine.errors import ModelLoadError, UnsupportedModelError
 from planaria.engine.models.decoder import DecoderModel, ModelSpec
-from planaria.kernels.rotary import RotaryEmbedding
+from planaria.engine.models.rope import rotary_from_config
 
 SUPPORTED = {
     "LlamaForCausalLM": "llama",
@@ -247,7 +247,7 @@ def load_model(model_dir: str, dtype: torch.dtype, device: torch.device, max_pos
     if expert_range is not None and not spec.is_moe:
         raise UnsupportedModelError("expert parallelism needs a mixture-of-experts model")
     t1 = time.monotonic()
-    rotary = RotaryEmbedding(cfg, max_positions, dtype).to(device)  # computed, on the device
+    rotary = rotary_from_config(cfg, max_positions, dtype).to(device)  # computed, on the device
     with torch.device("meta"):  # shapes only: no memory, no init; every parameter is filled below
         model = DecoderModel(spec, rotary, dtype, expert_range)
     t2 = time.monotonic()
