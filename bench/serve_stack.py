@@ -225,13 +225,13 @@ class ServeStack:
     def serving_pids(self) -> dict[int, int] | None:
         """engine id -> pid when the supervisor, the frontend and the injector all see every
         engine running as the same process; None otherwise."""
-        from planaria.daemon.errors import DaemonNotRunningError
+        from planaria.common.errors import NotRunningError
 
         if self.proc.poll() is not None:
             raise RuntimeError(f"planaria serve exited with {self.proc.returncode}\n{self.logs()}")
         try:
             status = self.status()
-        except DaemonNotRunningError:
+        except NotRunningError:
             return None  # not bound yet
         pids = {e["engine_id"]: e["pid"] for e in status["engines"] if e["state"] == "running"}
         if len(pids) != self.num_engines or status["frontend"]["state"] != "running":

@@ -6,7 +6,7 @@ directory is created with mode 0700, the socket file is chmod 0600, and a ``floc
 TCP with CurveZMQ. Frames are ``[identity, b"", msgpack(AdminRequest)]`` in and
 ``[identity, b"", msgpack(Ok | Err)]`` out, so REQ and DEALER clients both work. The
 handler maps ``AdminRequest -> Ok | Err``; whatever it raises becomes an ``Err`` through
-``daemon.errors.to_reply``. Two ways to run it:
+``common.errors.to_reply`` (the envelope is ``common.envelope``). Two ways to run it:
 
 - from the supervisor's own loop: ``server.poll_once(timeout_ms)`` (or put
   ``server.sockets`` in the loop's ``zmq.Poller`` and call ``poll_once(0)`` when ready);
@@ -14,9 +14,10 @@ handler maps ``AdminRequest -> Ok | Err``; whatever it raises becomes an ``Err``
 - in a thread of its own: ``server.start_thread()`` ... ``server.close()``; the handler
   then runs on that thread and must be thread-safe with respect to the supervisor.
 
-Client: ``ControlClient(runtime_dir, timeout_s).call("status", engine=3)`` returns the
-reply's data, raises ``AdminError`` (a subclass per code) for an ``Err``, and
-``DaemonNotRunningError`` when there is no socket or no answer within the timeout.
+Client: ``ControlClient(runtime_dir, timeout_s).call("status", engine=3)``, the one
+blocking admin client (``common.admin_client.AdminClient``) aimed at this socket: it returns
+the reply's data, raises ``AdminError`` (a subclass per code) for an ``Err``, and
+``NotRunningError`` when there is no socket or no answer within the timeout.
 
 TCP: ``ControlServer(..., tcp="host:port", curve_secret_key=..., curve_client_keys=...)``
 (keys z85 as made by ``zmq.curve_keypair()``; port 0 picks a free one, see
@@ -25,8 +26,8 @@ when given (public keys, or a provider with ``callback(domain, key)`` such as
 ``daemon.admin_keys.AuthorizedKeys``), also restricts clients to those public keys
 (ZAP), which an admin socket should do: the server's public key is not a secret. A TCP
 client that gets no answer says why, from its socket's monitor events: the daemon
-refused its key (``ControlAuthError``), the CURVE handshake failed (a wrong server
-key), or nothing accepted the connection (``DaemonNotRunningError``).
+refused its key (``AuthRefusedError``), the CURVE handshake failed (a wrong server
+key), or nothing accepted the connection (``NotRunningError``).
 """
 
 from __future__ import annotations
@@ -36,42 +37,28 @@ import logging
 import os
 import stat
 import threading
-import uuid
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Callable, Iterable
 
 import msgspec
 import zmq
 
-from planaria.daemon.envelope import AdminRequest, Err, ErrorCode, Ok, decode_reply, decode_request, encode
-from planaria.daemon.errors import (ControlAuthError, ControlProtocolError, DaemonAlreadyRunningError,
-                           DaemonNotRunningError, from_reply, to_reply)
+from planaria.common.admin_client import AdminClient
+from planaria.common.envelope import AdminRequest, Err, ErrorCode, Ok, decode_request, encode
+from planaria.common.errors import to_reply
+from planaria.common.sockets import ipc_endpoint, tcp_endpoint
+from planaria.daemon.errors import DaemonAlreadyRunningError
 
 _log = logging.getLogger(__name__)
 
 SOCKET_NAME = "control.sock"
 LOCK_NAME = "control.lock"
-_MAX_UNIX_PATH_BYTES = 107  # sun_path is 108 bytes on Linux, NUL included
 
 Handler = Callable[[AdminRequest], "Ok | Err"]
 
 
 def control_socket_path(runtime_dir: str | os.PathLike) -> Path:
     return Path(runtime_dir) / SOCKET_NAME
-
-
-def _ipc_endpoint(path: Path) -> str:
-    if len(os.fsencode(path)) > _MAX_UNIX_PATH_BYTES:
-        raise ValueError(f"control socket path is too long for AF_UNIX "
-                         f"({len(os.fsencode(path))} > {_MAX_UNIX_PATH_BYTES} bytes): {path}")
-    return f"ipc://{path}"
-
-
-def _tcp_endpoint(tcp: str) -> str:
-    host, sep, port = tcp.rpartition(":")
-    if not sep or not host or not port.isdigit():
-        raise ValueError(f"tcp must be 'host:port', got {tcp!r}")
-    return f"tcp://{host}:{'*' if int(port) == 0 else port}"
 
 
 def ensure_runtime_dir(runtime_dir: str | os.PathLike) -> Path:
@@ -146,7 +133,7 @@ class ControlServer:
         return lock_file
 
     def _bind_ipc(self) -> zmq.Socket:
-        endpoint = _ipc_endpoint(self.socket_path)
+        endpoint = ipc_endpoint(self.socket_path, "control socket")
         sock = self._context.socket(zmq.ROUTER)
         try:
             sock.setsockopt(zmq.LINGER, 0)
@@ -159,7 +146,7 @@ class ControlServer:
 
     def _bind_tcp(self, tcp: str, secret_key: bytes,
                   client_keys: Iterable[bytes | str] | None) -> zmq.Socket:
-        endpoint = _tcp_endpoint(tcp)
+        endpoint = tcp_endpoint(tcp)
         if client_keys is not None:
             from zmq.auth.thread import ThreadAuthenticator
 
@@ -276,96 +263,17 @@ class ControlServer:
         self.close()
 
 
-class ControlClient:
-    """One request per ``call``, each on a fresh DEALER socket (no REQ state to wedge)."""
+class ControlClient(AdminClient):
+    """The daemon's admin client (the CLI's): the control socket under ``runtime_dir``, or
+    its ``--admin-tcp`` socket (``tcp="host:port"``, with ``server_public_key`` and usually
+    ``client_keypair``). ``call`` is ``AdminClient.call``."""
 
     def __init__(self, runtime_dir: str | os.PathLike | None = None, timeout_s: float = 5.0,
                  *, tcp: str | None = None, server_public_key: bytes | None = None,
                  client_keypair: tuple[bytes, bytes] | None = None) -> None:
         if (runtime_dir is None) == (tcp is None):
             raise ValueError("give exactly one of runtime_dir and tcp")
-        if tcp is not None and server_public_key is None:
-            raise ValueError("a TCP control client needs server_public_key")
-        if timeout_s <= 0:
-            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
-        self.timeout_s = float(timeout_s)
-        self.socket_path = control_socket_path(runtime_dir) if runtime_dir is not None else None
-        self._endpoint = (_ipc_endpoint(self.socket_path) if self.socket_path is not None
-                          else _tcp_endpoint(tcp))
-        self._server_public_key = server_public_key
-        self._client_keypair = client_keypair
-
-    @property
-    def where(self) -> str:
-        return str(self.socket_path) if self.socket_path is not None else self._endpoint
-
-    def call(self, command: str, /, **args: Any) -> Any:
-        """Run ``command`` on the daemon and return the reply's data."""
-        if self.socket_path is not None and not self.socket_path.exists():
-            raise DaemonNotRunningError(
-                f"planaria daemon is not running (no control socket at {self.socket_path})")
-        request = AdminRequest(id=uuid.uuid4().hex, command=command, args=args)
-        payload = encode(request)  # raises TypeError for arguments msgpack cannot carry
-        context = zmq.Context.instance()
-        sock = context.socket(zmq.DEALER)
-        monitor = None
-        try:
-            sock.setsockopt(zmq.LINGER, 0)
-            if self._server_public_key is not None:
-                public, secret = self._client_keypair or zmq.curve_keypair()
-                sock.curve_serverkey = self._server_public_key
-                sock.curve_publickey = public
-                sock.curve_secretkey = secret
-                monitor = sock.get_monitor_socket()
-            sock.connect(self._endpoint)
-            sock.send_multipart([b"", payload])
-            reply = self._receive(sock, request.id, monitor)
-        finally:
-            if monitor is not None:
-                sock.disable_monitor()
-                monitor.close(linger=0)
-            sock.close(linger=0)
-        if isinstance(reply, Err):
-            raise from_reply(reply)
-        return reply.data
-
-    def _receive(self, sock: zmq.Socket, request_id: str,
-                 monitor: zmq.Socket | None = None) -> Ok | Err:
-        if not sock.poll(int(self.timeout_s * 1000), zmq.POLLIN):
-            if monitor is not None:
-                self._explain_silence(monitor)
-            raise DaemonNotRunningError(
-                f"planaria daemon is not running (no answer on the control socket at "
-                f"{self.where} within {self.timeout_s:g}s)")
-        frames = sock.recv_multipart()
-        if len(frames) != 2 or frames[0] != b"":
-            raise ControlProtocolError(f"unexpected reply framing from {self.where}")
-        try:
-            reply = decode_reply(frames[1])
-        except msgspec.DecodeError as exc:
-            raise ControlProtocolError(f"malformed reply from {self.where}: {exc}") from exc
-        # A fresh socket per call sees only its own reply; "" answers a malformed request.
-        if reply.id not in (request_id, ""):
-            raise ControlProtocolError(f"reply {reply.id} does not answer {request_id}")
-        return reply
-
-    def _explain_silence(self, monitor: zmq.Socket) -> None:
-        """No reply over TCP+CURVE: raise what the socket's monitor events say happened."""
-        from zmq.utils.monitor import recv_monitor_message
-
-        seen = set()
-        while monitor.poll(0):
-            seen.add(recv_monitor_message(monitor)["event"])
-        if zmq.EVENT_HANDSHAKE_FAILED_AUTH in seen:
-            raise ControlAuthError(
-                f"the daemon at {self.where} refused this client's key (CurveZMQ): its "
-                f"public key (the --client-key pair's NAME.key) is not in the daemon's "
-                f"admin-keys/authorized/ directory")
-        if seen & {zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL, zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL}:
-            raise ControlAuthError(
-                f"CurveZMQ handshake with {self.where} failed: --server-key is not the "
-                f"public key of the daemon listening there (its STATE_DIR/admin-keys/server.key)")
-        if zmq.EVENT_CONNECTED not in seen:
-            raise DaemonNotRunningError(
-                f"planaria daemon is not running at {self.where} (connection not accepted "
-                f"within {self.timeout_s:g}s)")
+        super().__init__(ipc=control_socket_path(runtime_dir) if runtime_dir is not None else None,
+                         tcp=tcp, timeout_s=timeout_s, server_public_key=server_public_key,
+                         client_keypair=client_keypair, peer="planaria daemon",
+                         socket_name="control socket")

@@ -26,7 +26,8 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
-from planaria.daemon.errors import BadArgumentError, ConflictError, UnavailableError
+from planaria.common.errors import BadArgumentError, ConflictError, UnavailableError
+from planaria.daemon.slot import AfterExit, SlotState
 
 POLL_S = 0.1  # the supervisor's loop looks at the (cached) placement this often
 
@@ -69,12 +70,12 @@ class EPSupervisor:
         share = self.share()
         if share is None:
             return None
-        leaving = sorted(i for i, s in slots.items() if s.after_exit == "remove")
+        leaving = sorted(i for i, s in slots.items() if s.after_exit is AfterExit.REMOVE)
         staying = sorted(i for i in slots if i not in leaving)
         if len(staying) < share:
             # A rank marked to leave whose scale-down epoch has not come yet stays after all.
             ranks = self.node.epoch_ranks
-            keep = [i for i in leaving if slots[i].state.value != "stopping"
+            keep = [i for i in leaving if slots[i].state is not SlotState.STOPPING
                     and (ranks is None or self.engine_id(i) in ranks)][:share - len(staying)]
             return SlotChanges(num_add=share - len(staying) - len(keep), keep=keep)
         if len(staying) > share:

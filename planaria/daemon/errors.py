@@ -1,102 +1,17 @@
 """Errors of the daemon package.
 
-``AdminError(code, reason)`` and its subclasses are the errors an admin command may
-raise; each subclass stands for one ``ErrorCode``. ``to_reply`` is the one place where
-exceptions become wire replies, and ``from_reply`` the one place where wire replies
-become exceptions again on the client side. Keep causes: ``raise ... from exc``.
+The admin protocol's errors (``AdminError`` and its subclass per code, ``NotRunningError``,
+``AuthRefusedError``, ``MalformedReplyError``) and the one place exceptions become codes
+(``to_reply``) live in ``planaria.common.errors``, shared with the frontend. Here are the
+daemon's own. Keep causes: ``raise ... from exc``.
 """
 
 from __future__ import annotations
-
-import msgspec
-
-from planaria.daemon.envelope import Err, ErrorCode
 
 
 class DaemonError(Exception):
     """Base class for every error of the daemon package."""
 
 
-class AdminError(DaemonError):
-    """An admin request failed with ``code``; ``reason`` is for the operator."""
-
-    def __init__(self, code: ErrorCode, reason: str) -> None:
-        self.code = ErrorCode(code)
-        self.reason = reason
-        super().__init__(reason)
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}({self.code.value}, {self.reason!r})"
-
-
-class _CodedAdminError(AdminError):
-    CODE: ErrorCode = ErrorCode.INTERNAL
-
-    def __init__(self, reason: str) -> None:
-        super().__init__(self.CODE, reason)
-
-
-class UnknownCommandError(_CodedAdminError):
-    CODE = ErrorCode.UNKNOWN_COMMAND
-
-
-class BadArgumentError(_CodedAdminError):
-    CODE = ErrorCode.BAD_ARGUMENT
-
-
-class UnknownEngineError(_CodedAdminError):
-    CODE = ErrorCode.UNKNOWN_ENGINE
-
-
-class ConflictError(_CodedAdminError):
-    CODE = ErrorCode.CONFLICT
-
-
-class UnavailableError(_CodedAdminError):
-    CODE = ErrorCode.UNAVAILABLE
-
-
-class InternalError(_CodedAdminError):
-    CODE = ErrorCode.INTERNAL
-
-
-_BY_CODE: dict[ErrorCode, type[_CodedAdminError]] = {
-    cls.CODE: cls for cls in (UnknownCommandError, BadArgumentError, UnknownEngineError,
-                              ConflictError, UnavailableError, InternalError)
-}
-
-
-class DaemonNotRunningError(DaemonError):
-    """No supervisor answers on the control socket (not started, or gone)."""
-
-
 class DaemonAlreadyRunningError(DaemonError):
     """Another supervisor holds this runtime directory's control socket."""
-
-
-class ControlAuthError(DaemonError):
-    """The daemon's TCP admin socket refused this client (CurveZMQ keys)."""
-
-
-class ControlProtocolError(DaemonError):
-    """A control-socket peer sent something that is not a valid envelope."""
-
-
-def to_reply(request_id: str, exc: BaseException) -> Err:
-    """The reply for a request that raised ``exc``.
-
-    ``AdminError`` keeps its code; ``msgspec.ValidationError`` (arguments that do not fit
-    a command's request struct) is ``BAD_ARGUMENT``; anything else is ``INTERNAL``, with
-    the exception type in the reason (the server logs the traceback).
-    """
-    if isinstance(exc, AdminError):
-        return Err(request_id, exc.code, exc.reason)
-    if isinstance(exc, msgspec.ValidationError):
-        return Err(request_id, ErrorCode.BAD_ARGUMENT, f"invalid arguments: {exc}")
-    return Err(request_id, ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}")
-
-
-def from_reply(err: Err) -> AdminError:
-    """The exception a client raises for an ``Err`` reply."""
-    cls = _BY_CODE.get(err.code)
-    return cls(err.reason) if cls else AdminError(err.code, err.reason)

@@ -24,10 +24,10 @@ from typing import Callable
 import msgspec
 import zmq
 
+from planaria.common.envelope import AdminRequest, Ok
+from planaria.common.errors import UnknownCommandError
+from planaria.common.logging import get_logger
 from planaria.daemon.control import ControlServer
-from planaria.daemon.envelope import AdminRequest, Ok
-from planaria.daemon.errors import UnknownCommandError
-from planaria.daemon.logging import get_logger
 
 log = get_logger("planaria.loop")
 

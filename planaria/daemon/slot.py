@@ -1,8 +1,9 @@
 """A child slot of the supervisor (an engine id, or the frontend) and its lifecycle.
 
 The supervisor (daemon/supervisor.py) keeps one ``Slot`` per engine id and one for the
-frontend; ``SlotState`` documents the transitions. ``ScaleOp`` is the scale
-operation in progress (the engines it adds and removes).
+frontend; ``SlotState`` documents the transitions and ``AfterExit`` what a planned stop
+does once the child has exited. ``ScaleOp`` is the scale operation in progress (the
+engines it adds and removes).
 """
 
 from __future__ import annotations
@@ -37,6 +38,29 @@ class SlotState(str, enum.Enum):
     STOPPED = "stopped"
 
 
+class AfterExit(str, enum.Enum):
+    """What the supervisor does when a slot's child exits: set when it stops the child
+    (or, for REMOVE, marks an EP rank that leaves on its own at the scale-down epoch) and
+    cleared back to UNPLANNED once the exit is handled. The value is the text status,
+    logs and error messages show ("engine 3 is already stopping (drain)").
+
+    UNPLANNED ("") nothing planned: the exit is a failure, the restart policy decides
+      (BACKOFF, STARTING or FAILED); a frontend's failure takes its engines down too.
+    RESTART  `planaria restart`: start the child again at once (STARTING).
+    DRAIN    `planaria drain`: leave the engine stopped (DRAINED) until restarted.
+    REMOVE   scale-down: delete the engine's slot (and its restart history).
+    FRONTEND its frontend died: the engine waits (WAITING) and starts with the next one.
+    STOP     daemon shutdown: the slot ends STOPPED.
+    """
+
+    UNPLANNED = ""
+    RESTART = "restart"
+    DRAIN = "drain"
+    REMOVE = "remove"
+    FRONTEND = "frontend"
+    STOP = "stop"
+
+
 @dataclass
 class Slot:
     key: Hashable
@@ -45,7 +69,7 @@ class Slot:
     started_at: float | None = None
     due_at: float | None = None        # BACKOFF: when to start again
     kill_at: float | None = None       # STOPPING: when to SIGKILL
-    after_exit: str = ""               # "restart" | "drain" | "remove" | "frontend" | "stop"
+    after_exit: AfterExit = AfterExit.UNPLANNED  # what its next exit means
     kill_reason: str = ""              # why the supervisor killed it (hung, ...)
     death_reported: bool = False       # ENGINE_CORE_DEAD sent early (exit sentinels)
     reason: str = ""                   # last exit or hold-off, for status

@@ -28,16 +28,16 @@ import logging
 import signal
 from typing import Any, Callable, Protocol
 
+from planaria.common.errors import (BadArgumentError, ConflictError, UnavailableError,
+                                    UnknownEngineError)
+from planaria.common.logging import get_logger
 from planaria.daemon.children import Child, ChildSpec, describe_exit
 from planaria.daemon.config import ServeConfig, live_changes
 from planaria.daemon.ep_supervisor import POLL_S as EP_POLL_S, EPSupervisor
-from planaria.daemon.errors import (BadArgumentError, ConflictError, UnavailableError,
-                           UnknownEngineError)
 from planaria.daemon.hang_detector import HangDetector
 from planaria.daemon.launch import FRONTEND_KEY, Launcher, engine_key
-from planaria.daemon.logging import get_logger
 from planaria.daemon.restart_policy import GiveUp, HoldOff, RestartAt, RestartNow
-from planaria.daemon.slot import ScaleOp, Slot, SlotState
+from planaria.daemon.slot import AfterExit, ScaleOp, Slot, SlotState
 from planaria.daemon.standby_pool import StandbyPool
 
 EXIT_OK, EXIT_FAILURE = 0, 1
@@ -165,21 +165,23 @@ class Supervisor:
             self.hang.forget(slot.engine_id)
             if self.ep is not None:
                 self.ep.forget_engine(slot.engine_id, child.pid)
-        after, slot.after_exit, slot.kill_reason, slot.death_reported = slot.after_exit, "", "", False
+        after, slot.after_exit = slot.after_exit, AfterExit.UNPLANNED
+        slot.kill_reason, slot.death_reported = "", False
         slot.child, slot.heartbeat, slot.kill_at, slot.started_at = None, None, None, None
         slot.reason = reason
-        log.log(logging.INFO if after else logging.WARNING, "exited", reason=reason,
-                planned=after or None)
-        if self.shutting_down or after == "stop":
+        planned = after is not AfterExit.UNPLANNED
+        log.log(logging.INFO if planned else logging.WARNING, "exited", reason=reason,
+                planned=after.value if planned else None)
+        if self.shutting_down or after is AfterExit.STOP:
             slot.state = SlotState.STOPPED
-        elif after == "restart":
+        elif after is AfterExit.RESTART:
             self._spawn(slot)
-        elif after == "drain":
+        elif after is AfterExit.DRAIN:
             slot.state = SlotState.DRAINED
-        elif after == "remove":
+        elif after is AfterExit.REMOVE:
             del self.engines[slot.engine_id]
             self.policy.forget(slot.key)
-        elif after == "frontend":
+        elif after is AfterExit.FRONTEND:
             slot.state = SlotState.WAITING
             if self._frontend_up():
                 self._spawn(slot)
@@ -208,8 +210,9 @@ class Supervisor:
     def _frontend_died(self) -> None:
         """The engines' handshake was with the dead frontend: restart them with the next."""
         for engine in self.engines.values():
-            if engine.child is not None and engine.after_exit not in ("remove", "drain", "stop"):
-                engine.after_exit = "frontend"
+            if engine.child is not None and engine.after_exit not in (
+                    AfterExit.REMOVE, AfterExit.DRAIN, AfterExit.STOP):
+                engine.after_exit = AfterExit.FRONTEND
                 engine.kill_reason = "its frontend died"
                 engine.state = SlotState.STOPPING
                 engine.child.send_signal(signal.SIGKILL)
@@ -333,7 +336,7 @@ class Supervisor:
         self.log.info("shutting down", stop_timeout_s=self.config.stop_timeout_s)
         for slot in self.slots():
             if slot.child is not None:
-                self._stop(slot, "stop")
+                self._stop(slot, AfterExit.STOP)
             elif slot.state is not SlotState.FAILED:
                 slot.state, slot.due_at = SlotState.STOPPED, None
         if self.standby is not None:
@@ -347,7 +350,7 @@ class Supervisor:
         if self.standby is not None:
             self.standby.stop(signal.SIGKILL)
 
-    def _stop(self, slot: Slot, after_exit: str, sig: int = signal.SIGTERM) -> None:
+    def _stop(self, slot: Slot, after_exit: AfterExit, sig: int = signal.SIGTERM) -> None:
         slot.after_exit = after_exit
         slot.state = SlotState.STOPPING
         slot.kill_at = self.clock() + self.config.stop_timeout_s
@@ -398,9 +401,9 @@ class Supervisor:
         self._check_serving()
         slot = self.engine(engine_id)
         if slot.state is SlotState.STOPPING:
-            raise ConflictError(f"engine {engine_id} is already stopping ({slot.after_exit})")
+            raise ConflictError(f"engine {engine_id} is already stopping ({slot.after_exit.value})")
         if slot.child is not None:
-            self._stop(slot, "restart")
+            self._stop(slot, AfterExit.RESTART)
         else:
             self._spawn(slot)
         self._notify_status()
@@ -409,12 +412,12 @@ class Supervisor:
     def drain_engine(self, engine_id: int) -> dict[str, Any]:
         self._check_serving()
         slot = self.engine(engine_id)
-        if slot.state is SlotState.DRAINED or slot.after_exit == "drain":
+        if slot.state is SlotState.DRAINED or slot.after_exit is AfterExit.DRAIN:
             return {"engine_id": engine_id, "state": slot.state.value, "changed": False}
         if slot.state is SlotState.STOPPING:
-            raise ConflictError(f"engine {engine_id} is already stopping ({slot.after_exit})")
+            raise ConflictError(f"engine {engine_id} is already stopping ({slot.after_exit.value})")
         if slot.child is not None:
-            self._stop(slot, "drain")
+            self._stop(slot, AfterExit.DRAIN)
         else:
             slot.state, slot.due_at, slot.reason = SlotState.DRAINED, None, "drained"
         self._notify_status()
@@ -489,9 +492,9 @@ class Supervisor:
             del self.engines[engine_id]
             self.policy.forget(slot.key)
         elif leaves_at_epoch or slot.state is SlotState.STOPPING:
-            slot.after_exit = "remove"  # on its way out already, or at the epoch
+            slot.after_exit = AfterExit.REMOVE  # on its way out already, or at the epoch
         else:
-            self._stop(slot, "remove")  # drains its requests first
+            self._stop(slot, AfterExit.REMOVE)  # drains its requests first
 
     def _follow_placement(self) -> None:
         """EP: start or remove engines to match this node's share of the placement."""
@@ -499,7 +502,7 @@ class Supervisor:
         if changes is None:
             return
         for engine_id in changes.keep:
-            self.engines[engine_id].after_exit = ""
+            self.engines[engine_id].after_exit = AfterExit.UNPLANNED
         added = self._add_engines(changes.num_add, self.ep.reused_kv_config(self._kv_figures()))
         for engine_id in changes.remove:
             self._remove_engine(engine_id, leaves_at_epoch=engine_id in changes.ranks)

@@ -39,7 +39,7 @@ import structlog
 from planaria.elastic.desired import DesiredStore
 from planaria.elastic.epochs import EpochStore
 from planaria.elastic.errors import ElasticError
-from planaria.elastic.keys import Desired, EngineState, KVBudget, OpPhase, OpRecord, encode
+from planaria.elastic.keys import Desired, EngineRecordState, KVBudget, OpPhase, OpRecord, encode
 from planaria.elastic.kv_budget import KVBudgetRegistry
 from planaria.elastic.placement import Placement, PlacementStore, allowed_engines, default_target, place
 from planaria.elastic.planner import (LIVE_STATES, Abort, NoChange, Rebalance, Reform, ScaleDown, ScaleUp,
@@ -104,7 +104,7 @@ class EPController:
         # Prefer the current ranks in their order, then newcomers by id.
         live.sort(key=lambda e: (ranks.index(e) if e in ranks else len(ranks), e))
 
-        existing = [e for e, r in records.items() if r.state not in (EngineState.STOPPED, EngineState.FAILED)
+        existing = [e for e, r in records.items() if r.state not in (EngineRecordState.STOPPED, EngineRecordState.FAILED)
                     or e in ranks]
         missing = target - len(set(existing) | set(self._launched))
         if self.launch is None:

@@ -41,12 +41,14 @@ import msgspec
 from planaria.elastic.ep import CollectiveError, EPSpec
 from planaria.elastic.ep_engine import EPRank, make_ep_core
 from planaria.elastic.etcd_security import EtcdSecurity
-from planaria.elastic.keys import EngineRecord, EngineState as ClusterState, Epoch, KeyLayout, decode
+from planaria.elastic.keys import EngineRecord, EngineRecordState, Epoch, KeyLayout, decode
 from planaria.engine import envs
 from planaria.engine.config import EngineConfig
 from planaria.engine.errors import RequestExecutionError
-from planaria.engine.proc import (EXIT_OK, EXIT_USAGE, EngineCoreProc, EngineState, ProcSettings, _Exit,
-                         _json_arg, _setup_logging)
+from planaria.engine.lifecycle import EXIT_OK, EXIT_USAGE, EngineExit
+from planaria.engine.proc import EngineCoreProc, ProcSettings
+from planaria.engine.proc_entry import json_arg, setup_logging
+from planaria.engine.wire import MsgType
 
 log = logging.getLogger(__name__)
 IDLE_POLL_S = 0.005  # an idle rank re-syncs this often (start latency of new work)
@@ -72,8 +74,6 @@ class EPEngineCoreProc(EngineCoreProc):
         self._membership = None
         self._watch = None
         self._preparing: EPSpec | None = None  # an epoch naming us, arrived, not yet formed
-        self._reforming = False  # lost its group after serving: waits for the next epoch
-        self._reform_deadline: float | None = None
         self._forming = False
         self._seen_epoch = -1  # epochs up to this one are not (re)adopted
         self._served_epoch = 0
@@ -92,10 +92,10 @@ class EPEngineCoreProc(EngineCoreProc):
         self._membership = Membership.from_endpoints(self.etcd_endpoints, self.cluster, self.engine_id,
                                                      ttl_s=self.lease_ttl_s,
                                                      security=self.etcd_security).start()
-        self._record(ClusterState.LOADING)
+        self._record(EngineRecordState.LOADING)
         self._watch = self._membership.watch_prefix(self.keys.epoch, self._on_epoch_events)
 
-    def _record(self, state: ClusterState) -> None:
+    def _record(self, state: EngineRecordState) -> None:
         core = self.core
         spec = self.ep.spec if self.ep is not None and self.ep.group is not None else None
         rec = EngineRecord(engine_id=self.engine_id, node_id=self.node_id,
@@ -124,7 +124,7 @@ class EPEngineCoreProc(EngineCoreProc):
             with self._epoch_lock:
                 if self._latest_epoch is None or epoch.number > self._latest_epoch.number:
                     self._latest_epoch = epoch
-            self.input_queue.put((None, b"\x00wakeup-epoch", None))
+            self.input_queue.put((None, MsgType.WAKEUP, None))  # the loop takes the epoch
 
     def _spec_for(self, epoch: Epoch) -> EPSpec:
         rank = epoch.ranks.index(self.engine_id) if self.engine_id in epoch.ranks else -1
@@ -189,14 +189,14 @@ class EPEngineCoreProc(EngineCoreProc):
         if stale is not None and self.engine_id in stale.ranks:  # keys are still in the store)
             self._seen_epoch = max(self._seen_epoch, stale.number)
         self.timings["ready_at"] = time.time()
-        self._record(ClusterState.READY)
+        self._record(EngineRecordState.READY)
         self._join_first_group()
 
     def _join_first_group(self) -> None:
         """Wait (loaded, READY in etcd) for an epoch that names us and join it. The frontends
         hear READY only after this, so no request is routed to a rank outside a group."""
         while not self._in_group():
-            if self._num_signals:
+            if self.lifecycle.num_signals:
                 log.info("engine %s: stopped before joining a group", self.engine_id)
                 raise SystemExit(EXIT_OK)
             self._try_join()
@@ -243,41 +243,26 @@ class EPEngineCoreProc(EngineCoreProc):
             return False
 
     # -- the lockstep loop ---------------------------------------------------------------------
-    def _handle(self, slot, msg_type, msg) -> None:
-        if msg_type == b"\x00wakeup-epoch":
-            return
-        super()._handle(slot, msg_type, msg)
-
-    def _add(self, slot, req) -> None:
-        if self._reforming:  # keep accepting: the request waits for the re-formed group
-            self._req_slot[req.request_id] = slot
-            self.core.add_request(req)
-            return
-        super()._add(slot, req)
-
     def _busy_loop(self) -> int:
+        """Like EngineCoreProc's, with a lockstep sync before each step. A fault's recovery
+        is a re-formed group (lifecycle.on_group_lost/on_group_formed), so only the drain
+        and the re-form deadlines are checked here."""
+        lifecycle = self.lifecycle
         try:
             while True:
-                in_group = self._in_group() and not self._reforming
+                in_group = self._in_group() and not lifecycle.reforming
                 busy = in_group and self.core.has_unfinished_requests()
                 self._process_inputs(block_s=0 if busy else IDLE_POLL_S)
-                if self.state == EngineState.DRAINING:
-                    if not self.core.has_unfinished_requests():
-                        self._stop(aborted=False)
-                    if time.monotonic() >= self._deadline:
-                        self._stop(aborted=True)
+                self._carry_out(lifecycle.on_drain_tick(time.monotonic(), self.core.has_unfinished_requests()))
                 if not in_group:
                     self._try_join()
-                    if not self._in_group() and self._reform_deadline is not None \
-                            and time.monotonic() >= self._reform_deadline:
-                        self._die(f"no new epoch within {self.settings.recovery_timeout_s or 120.0} s "
-                                  f"after: {self._fault_reason}")
+                    if not self._in_group():
+                        self._carry_out(lifecycle.on_reform_tick(time.monotonic()))
                     continue
                 new = self._take_epoch()
                 if new is not None:
                     self.ep.pending = new
-                has_work = self.state in (EngineState.RUNNING, EngineState.DRAINING) \
-                    and self.core.has_unfinished_requests()
+                has_work = lifecycle.can_step and self.core.has_unfinished_requests()
                 pending = self.ep.pending
                 try:
                     ready = pending is not None and self._joiners_arrived(pending)
@@ -289,14 +274,14 @@ class EPEngineCoreProc(EngineCoreProc):
                         self._ep_step(has_work)
                 except CollectiveError as exc:
                     self._group_failed(self.ep.spec.epoch, exc)
-        except _Exit as exc:
+        except EngineExit as exc:
             return exc.code
 
     def _ep_step(self, has_work: bool) -> None:
         try:
             outputs, _ = self.core.step(force_forward=True) if has_work else ([], self._dummy())
         except RequestExecutionError as exc:
-            self._fail_requests(exc.request_ids, f"request execution failed: {exc}")
+            self.core.fail_requests(exc.request_ids, f"request execution failed: {exc}")
             return
         except CollectiveError:
             raise
@@ -316,10 +301,10 @@ class EPEngineCoreProc(EngineCoreProc):
         t0 = time.monotonic()
         if spec.rank < 0:
             log.info("engine %s: not in epoch %d: leaving (requests move to survivors)", self.engine_id, spec.epoch)
-            self._record(ClusterState.STOPPED)
+            self._record(EngineRecordState.STOPPED)
             self._send_dead(f"scaled down: left at epoch {spec.epoch}")
             self._req_slot.clear()
-            raise _Exit(EXIT_OK)
+            raise EngineExit(EXIT_OK)
         self._forming = True
         try:
             self.ep.switch(spec)
@@ -332,17 +317,13 @@ class EPEngineCoreProc(EngineCoreProc):
         self.timings["switch_s"] = time.monotonic() - t0
         self.timings["serving_at"] = time.time()
         self.timings.update(self.ep.switch_times_s)
-        if self._reforming:
-            self._reforming = False
-            self._reform_deadline = None
-            self._fault_reason = ""
-            self._set_state(EngineState.RUNNING, f"re-formed at epoch {spec.epoch}")
+        self._carry_out(self.lifecycle.on_group_formed(spec.epoch))
         log.info("engine %s: rank %d of %d in epoch %d (%.3f s)", self.engine_id, spec.rank, spec.world_size,
                  spec.epoch, self.timings["switch_s"])
-        from planaria.daemon.logging import bind_process  # every later log line names the rank
+        from planaria.common.logging import bind_process  # every later log line names the rank
 
         bind_process(rank=spec.rank, epoch=spec.epoch)
-        self._record(ClusterState.SERVING)
+        self._record(EngineRecordState.SERVING)
 
     def _group_failed(self, epoch: int, exc: BaseException) -> None:
         """A collective, or the switch to ``epoch``, failed (a peer died, hung, or never
@@ -354,16 +335,9 @@ class EPEngineCoreProc(EngineCoreProc):
         self._seen_epoch = max(self._seen_epoch, epoch)  # a failed epoch is never formed again
         self.ep.leave()
         self._failed_epoch, self._error = epoch, f"{type(exc).__name__}: {exc}"[:400]
-        if self.state != EngineState.STARTING:  # a rank that served: UNHEALTHY until re-formed
-            self._reforming = True
-            self._fault_reason = str(exc)
-            if self._reform_deadline is None:
-                self._reform_deadline = time.monotonic() + (self.settings.recovery_timeout_s or 120.0)
-            if self.state == EngineState.RUNNING:
-                # Not said to the frontends: this rank keeps taking requests (they queue
-                # until the group is back), so they must keep routing to it.
-                self.state = EngineState.UNHEALTHY
-        self._record(ClusterState.UNHEALTHY)
+        # a rank that served: UNHEALTHY (not announced) until re-formed, or dead at the deadline
+        self._carry_out(self.lifecycle.on_group_lost(str(exc), time.monotonic()))
+        self._record(EngineRecordState.UNHEALTHY)
 
     def _heartbeat(self):
         """Waiting for (or forming) a group, or on a peer inside a collective, is not a hang:
@@ -374,7 +348,7 @@ class EPEngineCoreProc(EngineCoreProc):
         group = self.ep.group if self.ep is not None else None
         waiting = group is not None and group.waiting_since is not None \
             and time.monotonic() - group.waiting_since > COLLECTIVE_WAIT_S
-        if group is None or self._reforming or self._forming or waiting:
+        if group is None or self.lifecycle.reforming or self._forming or waiting:
             beat = msgspec.structs.replace(beat, has_work=False)
         return beat
 
@@ -405,9 +379,9 @@ def main(argv: list[str] | None = None) -> int:
                         "that routes to the rendezvous store)")
     args = p.parse_args(argv)
     try:
-        config = msgspec.convert(_json_arg(args.config_json), EngineConfig)
+        config = msgspec.convert(json_arg(args.config_json), EngineConfig)
         config.validate()
-        settings = msgspec.convert(_json_arg(args.settings_json), ProcSettings) if args.settings_json else None
+        settings = msgspec.convert(json_arg(args.settings_json), ProcSettings) if args.settings_json else None
     except Exception as exc:  # bad JSON or a bad config value: usage error
         print(f"elastic.ep_proc: bad arguments: {exc}", file=sys.stderr)
         return EXIT_USAGE
@@ -417,7 +391,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"elastic.ep_proc: bad etcd settings in the environment: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    _setup_logging(args.engine_index, settings.log_level)
+    setup_logging(args.engine_index, settings.log_level)
     proc = EPEngineCoreProc(args.engine_index, args.engine_id, args.node_id, args.input_addr, config,
                             args.etcd_endpoints.split(","), args.cluster, settings, args.lease_ttl_s,
                             args.collective_timeout_s, etcd_security=security, bind_host=args.bind_host)

@@ -28,8 +28,9 @@ from planaria.elastic.errors import RecordDecodeError
 ROOT = "/planaria"
 
 
-class EngineState(str, Enum):
-    """Lifecycle of an engine as the cluster sees it.
+class EngineRecordState(str, Enum):
+    """Lifecycle of an engine as the cluster sees it: the state in its etcd record
+    (``engines/<id>``). The engine process's own lifecycle is engine.lifecycle.EngineState.
 
     STARTING -> LOADING -> PROFILING -> READY -> SERVING
     SERVING -> PAUSED (step boundary of a group switch) -> SERVING
@@ -85,7 +86,7 @@ class EngineRecord(msgspec.Struct, kw_only=True):
     node_id: str
     rank: int | None = None         # EP rank in `epoch`; None before joining a group
     epoch: int = 0
-    state: EngineState = EngineState.STARTING
+    state: EngineRecordState = EngineRecordState.STARTING
     addresses: dict[str, str] = {}  # e.g. {"input": "tcp://...", "output": "tcp://..."}
     kv_cache_bytes: int = 0
     kv_source: str = ""             # "profiled" | "reused" | "given" | "" (not yet known)

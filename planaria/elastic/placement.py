@@ -33,7 +33,7 @@ from typing import Any
 import msgspec
 
 from planaria.elastic.errors import PlacementConflictError
-from planaria.elastic.keys import EngineRecord, EngineState, KeyLayout, NodeInfo, encode
+from planaria.elastic.keys import EngineRecord, EngineRecordState, KeyLayout, NodeInfo, encode
 from planaria.elastic.records import fenced_put, read_record
 
 
@@ -89,7 +89,7 @@ def engine_index(record: EngineRecord) -> int:
         return 1 << 30  # unknown: after every numbered engine
 
 
-GONE = (EngineState.STOPPED, EngineState.FAILED)
+GONE = (EngineRecordState.STOPPED, EngineRecordState.FAILED)
 
 
 def allowed_engines(shares: dict[str, int], records: Iterable[EngineRecord]) -> set[str]:

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import msgspec
 
-from planaria.elastic.keys import EngineRecord, EngineState, Epoch
+from planaria.elastic.keys import EngineRecord, EngineRecordState, Epoch
 
 
 class NoChange(msgspec.Struct, frozen=True):
@@ -75,8 +75,8 @@ class Abort(msgspec.Struct, frozen=True):
 
 
 PlanAction = NoChange | ScaleUp | ScaleDown | Rebalance | Reform | Abort
-LIVE_STATES = frozenset({EngineState.READY, EngineState.SERVING, EngineState.PAUSED,
-                         EngineState.UNHEALTHY})
+LIVE_STATES = frozenset({EngineRecordState.READY, EngineRecordState.SERVING, EngineRecordState.PAUSED,
+                         EngineRecordState.UNHEALTHY})
 
 
 class ExpertMove(msgspec.Struct, frozen=True):
@@ -128,7 +128,7 @@ def engine_moves(old: Epoch, new: Epoch) -> list[tuple[int, str | None, str]]:
 
 def epoch_served(epoch: Epoch, records: dict[str, EngineRecord]) -> bool:
     """Every rank of ``epoch`` reports it serves that epoch."""
-    return all(e in records and records[e].epoch == epoch.number and records[e].state == EngineState.SERVING
+    return all(e in records and records[e].epoch == epoch.number and records[e].state == EngineRecordState.SERVING
                for e in epoch.ranks)
 
 

@@ -24,6 +24,7 @@ import asyncio
 import itertools
 import logging
 from dataclasses import dataclass
+from enum import StrEnum
 from pathlib import Path
 import time
 from typing import Any, AsyncIterator, Callable
@@ -32,25 +33,51 @@ import msgspec
 import zmq
 import zmq.asyncio
 
+from planaria.common.sockets import ipc_endpoint
 from planaria.engine.errors import (EngineDeadError, EngineFaultError, EngineHandshakeError,
                            NoEngineAvailableError, UtilityCallError, WireFormatError)
 from planaria.engine.messages import EngineCoreOutput, EngineCoreRequest, SchedulerStats
 from planaria.engine.wire import (DEFAULT_MAX_MESSAGE_BYTES, FRONTEND_INPUT_TYPES, PROTOCOL_VERSION,
                          AbortRequests, HandshakeInit, HandshakeReject, MsgType, Shutdown,
-                         UtilityCall, WireDecoder, WireEncoder, engine_identity, engine_index_of)
+                         UtilityCall, UtilityErrorCode, WireDecoder, WireEncoder, engine_identity,
+                         engine_index_of)
 
 log = logging.getLogger(__name__)
 
-_MAX_IPC_PATH = 100  # sun_path is 107 bytes on Linux; stay clear of it
+
+class EngineInfoState(StrEnum):
+    """An engine's state as a frontend's client knows it: the state of its last STATUS
+    (every engine.lifecycle.EngineState value is one), or one of the client's own.
+
+    CONNECTING (HELLO seen) -> RUNNING (READY) | REFUSED (the handshake refused it);
+    RUNNING|PAUSED|DRAINING -> UNREACHABLE (a send found it not connected to this frontend);
+    any -> the state of a STATUS; any -> DEAD (ENGINE_CORE_DEAD, or the supervisor's
+    report); a new incarnation's HELLO -> CONNECTING. A StrEnum: it compares, prints,
+    formats and encodes (JSON, msgpack) as its value, e.g. "running"."""
+
+    CONNECTING = "connecting"
+    STARTING = "starting"
+    RUNNING = "running"
+    PAUSED = "paused"
+    DRAINING = "draining"
+    UNHEALTHY = "unhealthy"
+    STOPPED = "stopped"
+    DEAD = "dead"
+    REFUSED = "refused"
+    UNREACHABLE = "unreachable"
+
+
+_REACHABLE = (EngineInfoState.RUNNING, EngineInfoState.PAUSED, EngineInfoState.DRAINING)
+_NO_CALLS = (EngineInfoState.DEAD, EngineInfoState.STOPPED, EngineInfoState.REFUSED, EngineInfoState.CONNECTING)
+_GONE = (EngineInfoState.STOPPED, EngineInfoState.DEAD)
 
 
 @dataclass
 class EngineInfo:
-    """What the client knows of one engine. ``state`` is an engine.proc.EngineState value,
-    or "connecting" (HELLO seen), "refused" (handshake refused), "unreachable" (send failed)."""
+    """What the client knows of one engine."""
 
     index: int
-    state: str = "connecting"
+    state: EngineInfoState = EngineInfoState.CONNECTING
     pid: int | None = None
     stats: SchedulerStats | None = None
     num_in_flight: int = 0  # this client's requests on it
@@ -69,7 +96,7 @@ class EngineInfo:
 
     @property
     def healthy(self) -> bool:
-        return self.state == "running"
+        return self.state == EngineInfoState.RUNNING
 
     @property
     def load(self) -> int:
@@ -88,11 +115,8 @@ class _Stream:
 def ipc_addresses(runtime_dir: str | Path, client_index: int = 0) -> tuple[str, str]:
     """The (ROUTER, PULL) ipc addresses of frontend ``client_index`` under ``runtime_dir``."""
     base = Path(runtime_dir)
-    addrs = (f"ipc://{base / f'fe{client_index}-in'}", f"ipc://{base / f'fe{client_index}-out'}")
-    for a in addrs:
-        if len(a) - len("ipc://") > _MAX_IPC_PATH:
-            raise ValueError(f"ipc path {a} is longer than {_MAX_IPC_PATH} bytes; use a shorter runtime dir")
-    return addrs
+    return (ipc_endpoint(base / f"fe{client_index}-in", "frontend input socket"),
+            ipc_endpoint(base / f"fe{client_index}-out", "frontend output socket"))
 
 
 class EngineClient:
@@ -165,7 +189,7 @@ class EngineClient:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         while True:
-            refused = [e for e in self._engines.values() if e.state == "refused"]
+            refused = [e for e in self._engines.values() if e.state == EngineInfoState.REFUSED]
             if refused:
                 raise EngineHandshakeError("; ".join(f"engine {e.index}: {e.reason}" for e in refused))
             if sum(e.healthy for e in self._engines.values()) >= num_engines:
@@ -273,8 +297,8 @@ class EngineClient:
                 return True
             if isinstance(exc, zmq.ZMQError) and exc.errno == zmq.EHOSTUNREACH:
                 info = self._engines.get(index)
-                if info is not None and info.state in ("running", "paused", "draining"):
-                    self._set_state(info, "unreachable", "not connected to this frontend")
+                if info is not None and info.state in _REACHABLE:
+                    self._set_state(info, EngineInfoState.UNREACHABLE, "not connected to this frontend")
                 return False
             raise exc
         fut.add_done_callback(_log_send_failure)
@@ -284,7 +308,7 @@ class EngineClient:
     async def call_utility(self, engine_index: int, method: str, args: dict | None = None,
                            timeout_s: float | None = 30.0) -> Any:
         info = self._engines.get(engine_index)
-        if info is None or info.state in ("dead", "stopped", "refused", "connecting"):
+        if info is None or info.state in _NO_CALLS:
             raise EngineDeadError(engine_index, None, f"engine is {info.state if info else 'unknown'}")
         call_id = next(self._call_ids)
         fut = asyncio.get_running_loop().create_future()
@@ -310,15 +334,15 @@ class EngineClient:
         """
         info = self._engines.get(engine_index)
         if info is None:
-            info = self._engines[engine_index] = EngineInfo(index=engine_index, state="dead")
+            info = self._engines[engine_index] = EngineInfo(index=engine_index, state=EngineInfoState.DEAD)
         if pid is not None and info.pid is not None and pid != info.pid:
             log.info("ignoring a death report for engine %d pid %d (now pid %d)", engine_index, pid, info.pid)
             return
-        if info.state != "dead":
+        if info.state != EngineInfoState.DEAD:
             info.died_at_s = time.time()
         if fault_monotonic_s is not None:
             info.fault_monotonic_s = fault_monotonic_s
-        self._set_state(info, "dead", reason)
+        self._set_state(info, EngineInfoState.DEAD, reason)
         self._fail_engine(engine_index, EngineDeadError, reason)
 
     def _fail_engine(self, index: int, error_type: type, reason: str) -> None:
@@ -335,7 +359,7 @@ class EngineClient:
             if call_index == index and not fut.done():
                 fut.set_exception(error_type(index, None, reason))
 
-    def _set_state(self, info: EngineInfo, state: str, reason: str = "") -> None:
+    def _set_state(self, info: EngineInfo, state: EngineInfoState, reason: str = "") -> None:
         if info.state != state:
             log.info("engine %d: %s -> %s %s", info.index, info.state, state, reason)
         info.state, info.reason = state, reason
@@ -371,17 +395,17 @@ class EngineClient:
                       f"this frontend speaks {PROTOCOL_VERSION}")
             log.error("refusing engine: %s", reason)
             info.pid = hello.pid
-            self._set_state(info, "refused", reason)
+            self._set_state(info, EngineInfoState.REFUSED, reason)
             self._reply(identity, MsgType.HANDSHAKE_REJECT, HandshakeReject(reason=reason))
             return
         if info.pid != hello.pid:  # a new incarnation: what the old one had is lost
             if info.pid is not None:
-                if info.state != "dead":  # it died unreported
+                if info.state != EngineInfoState.DEAD:  # it died unreported
                     info.died_at_s = time.time()
                 self._fail_engine(index, EngineDeadError, f"engine restarted (pid {info.pid} -> {hello.pid})")
             info.pid = hello.pid
             info.stats = None
-            self._set_state(info, "connecting")
+            self._set_state(info, EngineInfoState.CONNECTING)
         settings: dict[str, Any] = {"client_index": self.client_index}
         if self.engine_config is not None:
             settings["engine_config"] = msgspec.to_builtins(self.engine_config)
@@ -397,7 +421,7 @@ class EngineClient:
             reason = (f"engine {index} config hash {ready.config_hash} / protocol {ready.protocol_version} "
                       f"does not match this frontend's {expected} / {PROTOCOL_VERSION}")
             log.error("refusing engine: %s", reason)
-            self._set_state(info, "refused", reason)
+            self._set_state(info, EngineInfoState.REFUSED, reason)
             # the engine logs the reason and exits with EXIT_CONFIG_MISMATCH
             self._reply(identity, MsgType.HANDSHAKE_REJECT, HandshakeReject(reason=reason))
             return
@@ -407,7 +431,7 @@ class EngineClient:
         info.kv_source = ready.kv_source
         info.num_handshakes += 1
         info.ready_at_s = time.time()
-        self._set_state(info, "running")
+        self._set_state(info, EngineInfoState.RUNNING)
 
     def _reply(self, identity: bytes, msg_type: bytes, msg: Any) -> None:
         fut = self._router.send_multipart([identity, *self._enc.encode(msg_type, msg)])
@@ -429,7 +453,8 @@ class EngineClient:
                     if msg.ok:
                         entry[1].set_result(msg.result)
                     else:
-                        entry[1].set_exception(UtilityCallError(msg.error or "utility call failed"))
+                        entry[1].set_exception(UtilityCallError(msg.error or "utility call failed",
+                                                                UtilityErrorCode.of(msg.code)))
             elif msg_type == MsgType.ENGINE_CORE_DEAD:
                 self.mark_engine_dead(msg.engine_index, msg.reason, msg.pid, msg.fault_monotonic_s)
             elif msg_type == MsgType.STATUS:
@@ -455,11 +480,16 @@ class EngineClient:
         info = self._engines.get(status.engine_index)
         if info is None or (status.pid and info.pid and status.pid != info.pid):
             return  # an older incarnation
-        if info.state == "refused":
+        if info.state == EngineInfoState.REFUSED:
             return
-        self._set_state(info, status.state, status.reason)
-        if status.requests_dropped or status.state in ("stopped", "dead"):
-            error_type = EngineDeadError if status.state in ("stopped", "dead") else EngineFaultError
+        try:
+            state = EngineInfoState(status.state)
+        except ValueError:
+            log.warning("engine %d: STATUS with an unknown state %r", status.engine_index, status.state)
+            return
+        self._set_state(info, state, status.reason)
+        if status.requests_dropped or state in _GONE:
+            error_type = EngineDeadError if state in _GONE else EngineFaultError
             self._fail_engine(status.engine_index, error_type, status.reason or status.state)
 
 

@@ -11,7 +11,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import structlog
 
 from planaria.engine.config import EngineConfig
-from planaria.engine.errors import EngineError, InvalidRequestError, KVCacheTooSmallError, WeightLoadError
+from planaria.engine.core_protocol import EngineCoreProtocol
+from planaria.engine.errors import (EngineError, InvalidRequestError, KVCacheTooSmallError, WeightLoadError,
+                                    WeightLoadInProgressError)
 from planaria.engine.iteration_details import IterationRecorder, scheduler_dump
 from planaria.engine.kv_cache_manager import KVCacheManager
 from planaria.engine.messages import EngineCoreOutput, EngineCoreRequest, SchedulerStats
@@ -26,6 +28,10 @@ log = structlog.get_logger("planaria.engine")
 
 
 class EngineCore:
+    """Generation: implements engine.core_protocol.EngineCoreProtocol."""
+
+    is_pooling = False
+
     def __init__(self, config: EngineConfig, expert_range=None, progress=None) -> None:
         config.validate()
         self.config = config
@@ -218,6 +224,10 @@ class EngineCore:
         self._inflight = None
         self.batch_queue.clear()
 
+    def inject_step_fault(self, kind: str) -> None:
+        """Chaos tests: the next forward raises ("fatal"), or fails its first request ("request")."""
+        self.runner.fault_next_step = kind
+
     def step_with_batch_queue(self) -> tuple[list[EngineCoreOutput] | None, bool]:
         """Keep up to max_concurrent_batches in flight: schedule and submit a new batch
         while an earlier one runs; block only when the queue is full or nothing else
@@ -368,12 +378,13 @@ class EngineCore:
         a step boundary once read (engine/weight_update.py: modes, states). Returns the
         load's description at once; ``on_read()`` runs on the reading thread when it is done
         (the engine process wakes its loop). WeightLoadError at once, nothing started, for a
-        bad mode or directory, another architecture, or a load already in progress."""
+        bad mode or directory or another architecture; WeightLoadInProgressError (a
+        WeightLoadError) for a load already in progress."""
         from planaria.engine.weight_update import IN_PROGRESS, WeightLoad, check_request
 
         if self._weight_update is not None:
-            raise WeightLoadError(f"{IN_PROGRESS} ({self._weight_update.model_dir}, "
-                                  f"{self._weight_update.state}); wait for it to finish")
+            raise WeightLoadInProgressError(f"{IN_PROGRESS} ({self._weight_update.model_dir}, "
+                                            f"{self._weight_update.state}); wait for it to finish")
         check_request(self.runner, model_dir, mode)
         self._weight_update = WeightLoad.start(self.runner, model_dir, version, mode, on_read)
         return self._weight_update.describe()
@@ -417,7 +428,7 @@ class EngineCore:
         self.structured.shutdown()
 
 
-def create_engine_core(config: EngineConfig, expert_range=None, progress=None):
+def create_engine_core(config: EngineConfig, expert_range=None, progress=None) -> EngineCoreProtocol:
     """EngineCore, or PoolingEngineCore for runner_type "pooling" (or a BertModel checkpoint)."""
     from planaria.engine.pooling import PoolingEngineCore, is_pooling_model
 

@@ -1,6 +1,13 @@
 """Errors raised by the engine package. Exceptions become wire error codes in one place
 (engine/proc.py); callers keep causes with ``raise ... from exc``."""
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from planaria.engine.wire import UtilityErrorCode
+
 
 class EngineError(Exception):
     """Base class for every engine error."""
@@ -57,7 +64,21 @@ class NoEngineAvailableError(EngineError):
 
 
 class UtilityCallError(EngineError):
-    """A utility call reached the engine and failed there; the message is the engine's."""
+    """A utility call reached the engine and failed there; the message is the engine's,
+    ``code`` (a ``wire.UtilityErrorCode``) says why, for callers to decide on."""
+
+    def __init__(self, message: str, code: "UtilityErrorCode") -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class EngineStateError(EngineError):
+    """A utility call the engine's current state does not allow (pause when not running,
+    reset while draining)."""
+
+
+class FaultInjectionDisabledError(EngineError, PermissionError):
+    """The fault_inject utility on an engine started without PLANARIA_FAULT_INJECTION=1."""
 
 
 class EngineDeadError(EngineFaultError):
@@ -100,3 +121,7 @@ class GrammarError(InvalidRequestError):
 class WeightLoadError(EngineError):
     """New weights could not be loaded (missing files, another architecture or shape);
     the engine keeps serving the weights it has."""
+
+
+class WeightLoadInProgressError(WeightLoadError):
+    """New weights were asked for while another load is still reading or waiting to swap."""

@@ -150,7 +150,7 @@ class LLM:
         """Embeddings of a pooling model (runner_type "pooling"), one vector per text (or
         list of token ids). ``truncate`` cuts inputs to max_model_len, as
         sentence-transformers does; else a too-long input raises InvalidRequestError."""
-        if not hasattr(self.core, "embed"):
+        if not self.core.is_pooling:
             raise InvalidRequestError("embed() needs a pooling model (runner_type='pooling')")
         if isinstance(texts, str) or (isinstance(texts, list) and texts and isinstance(texts[0], int)):
             texts = [texts]

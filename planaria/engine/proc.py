@@ -16,6 +16,10 @@ EXIT_CONFIG_MISMATCH (4), a configuration error rather than a crash (see the EXI
 constants for every exit code). A coordinator SUB socket (DP wave / stats fan-in) is not wired yet;
 it would be one more socket in the input thread, feeding the same queue.
 
+States, deadlines and exits are decided by ``engine.lifecycle.EngineLifecycle``; this process
+reports inputs to it and carries out the actions it returns (``_carry_out``). The core is
+reached only through ``engine.core_protocol.EngineCoreProtocol``.
+
 Launch: ``python -m planaria.engine.proc --engine-index 0 --input-addr ipc://... --config-json '{...}'``
 or ``multiprocessing`` (spawn) with ``target=run_engine_core``.
 """
@@ -23,7 +27,6 @@ or ``multiprocessing`` (spawn) with ``target=run_engine_core``.
 from __future__ import annotations
 
 import argparse
-import enum
 import gc
 import logging
 import os
@@ -40,43 +43,24 @@ import zmq
 
 from planaria.engine import envs
 from planaria.engine.config import EngineConfig
-from planaria.engine.errors import ConfigMismatchError, EngineHandshakeError, RequestExecutionError
+from planaria.engine.core_protocol import EngineCoreProtocol
+from planaria.engine.errors import (ConfigMismatchError, EngineHandshakeError, EngineStateError,
+                                    FaultInjectionDisabledError, RequestExecutionError, WeightLoadError,
+                                    WeightLoadInProgressError)
+from planaria.engine.lifecycle import (EXIT_CONFIG_MISMATCH, EXIT_DEAD, EXIT_HANDSHAKE, EXIT_OK,
+                                       EXIT_USAGE, AbandonStart, Action, Die, EngineExit, EngineLifecycle,
+                                       EngineState, Refused, ResetPrefixCache, RollBack, SetState, Signalled,
+                                       Step, Stop, Wait, Wake)
 from planaria.engine.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
+from planaria.engine.proc_entry import json_arg, setup_logging
 from planaria.engine.proc_io import FrontendLink, InputThread, OutputThread, handshake, send_all
 from planaria.engine.wire import (DEFAULT_MAX_MESSAGE_BYTES, PROTOCOL_VERSION, EngineDead, EngineStatus,
-                         MsgType, Ready, UtilityCall, UtilityResult)
+                         MsgType, Ready, UtilityCall, UtilityErrorCode, UtilityResult)
 
 log = logging.getLogger(__name__)
 
 FAULT_INJECTION_ENV = envs.FAULT_INJECTION
-# Exit codes of an engine-core process (a supervisor reads them):
-EXIT_OK = 0  # stopped: drained, aborted on request, or a signal during the handshake
-EXIT_DEAD = 1  # fatal fault or failed start (ENGINE_CORE_DEAD was sent): a crash, restart it
-EXIT_USAGE = 2  # bad command-line arguments or config
-EXIT_HANDSHAKE = 3  # no frontend completed the handshake in time (or gave no output address)
-# A frontend refused this engine (HANDSHAKE_REJECT: config hash or protocol version), or
-# the engine refused a frontend's protocol version. A configuration error, not a crash:
-# the same engine with the same settings is refused again, so do not restart it as is.
-EXIT_CONFIG_MISMATCH = 4
-
-
-class EngineState(str, enum.Enum):
-    """Lifecycle of an engine-core process.
-
-    STARTING -> RUNNING (READY sent); RUNNING <-> PAUSED ("pause"/"resume");
-    RUNNING|PAUSED -> DRAINING (SIGTERM / SHUTDOWN) -> STOPPED (drained, exit 0);
-    DRAINING -> STOPPED (second signal, SHUTDOWN with 0, or drain timeout: work aborted);
-    any -> UNHEALTHY (engine-level fault) -> RUNNING ("reset"/"resume") | DEAD (exit 1).
-    any -> STOPPED (a frontend sent HANDSHAKE_REJECT after READY: exit EXIT_CONFIG_MISMATCH).
-    """
-
-    STARTING = "starting"
-    RUNNING = "running"
-    PAUSED = "paused"
-    DRAINING = "draining"
-    UNHEALTHY = "unhealthy"
-    STOPPED = "stopped"
-    DEAD = "dead"
+# The exit codes (EXIT_*) and states (EngineState) are engine.lifecycle's.
 
 
 class ProcSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -93,15 +77,10 @@ class ProcSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     heartbeat_interval_s: float = 0.5
 
 
-class _Exit(Exception):
-    def __init__(self, code: int) -> None:
-        self.code = code
-
-
 class EngineCoreProc:
     def __init__(self, engine_index: int, input_addresses: list[str], config: EngineConfig | None,
                  settings: ProcSettings | None = None, output_addresses: list[str] | None = None,
-                 core_factory: Callable[[EngineConfig], Any] | None = None) -> None:
+                 core_factory: Callable[[EngineConfig], EngineCoreProtocol] | None = None) -> None:
         if output_addresses and len(output_addresses) != len(input_addresses):
             raise ValueError("give one output address per input address, or none")
         self.engine_index = engine_index
@@ -110,19 +89,20 @@ class EngineCoreProc:
         self.config = config
         self.settings = settings or ProcSettings()
         self._core_factory = core_factory
-        self.core = None
-        self.state = EngineState.STARTING
+        self.core: EngineCoreProtocol | None = None
+        s = self.settings  # the states, deadlines and exits; this object carries out its actions
+        self.lifecycle = EngineLifecycle(s.drain_timeout_s, s.recovery_timeout_s, s.keep_requests_on_fault)
         self.input_queue: queue.SimpleQueue = queue.SimpleQueue()  # put() is signal-safe
         self.output_queue: queue.SimpleQueue = queue.SimpleQueue()
         self._req_slot: dict[str, int] = {}  # in-flight request id -> frontend slot
-        self._num_signals = 0
-        self._handled_signals = 0
-        self._deadline: float | None = None  # drain or recovery deadline (monotonic)
-        self._fault_reason = ""
         self._last_stats = None
         self._last_stats_sent = 0.0
         self._fault_injection = envs.get().fault_injection  # read once, at process start
         self._links: list[FrontendLink] = []
+
+    @property
+    def state(self) -> EngineState:
+        return self.lifecycle.state
 
     # -- lifecycle --------------------------------------------------------------------------
     def run(self) -> int:
@@ -137,9 +117,9 @@ class EngineCoreProc:
             try:
                 self._links = handshake(ctx, self.engine_index, self.input_addresses,
                                         self.output_addresses, self.settings.handshake_timeout_s,
-                                        should_stop=lambda: self._num_signals > 0)
+                                        should_stop=lambda: self.lifecycle.num_signals > 0)
             except EngineHandshakeError as exc:
-                if self._num_signals:
+                if self.lifecycle.num_signals:
                     return EXIT_OK
                 log.error("engine %d: handshake failed: %s", self.engine_index, exc)
                 return EXIT_CONFIG_MISMATCH if isinstance(exc, ConfigMismatchError) else EXIT_HANDSHAKE
@@ -156,9 +136,8 @@ class EngineCoreProc:
                 self._send_dead(f"failed to start: {type(exc).__name__}: {exc}")
                 return EXIT_DEAD
             send_all(self._links, MsgType.READY, self._ready())
-            self.state = EngineState.RUNNING
-            timings = {"since_exec_s": _since_exec_s(),  # where the start-up went
-                       **(getattr(self.core, "init_timings", None) or {})}
+            self._carry_out(self.lifecycle.on_ready())
+            timings = {"since_exec_s": _since_exec_s(), **self.core.init_timings}  # where the start-up went
             log.info("engine %d ready: %d KV blocks, max_model_len %d; start-up %s", self.engine_index,
                      self.core.num_kv_blocks, self.core.max_model_len,
                      " ".join(f"{k}={v:.3f}" for k, v in timings.items()))
@@ -218,12 +197,12 @@ class EngineCoreProc:
         from planaria.engine.heartbeat import Heartbeat
 
         core = self.core
-        sched = core.scheduler
+        stats = core.get_stats()
         return Heartbeat(engine_index=self.engine_index, pid=os.getpid(),
                          step_counter=core.step_counter, state=self.state.value,
                          has_work=core.has_unfinished_requests() or not self.input_queue.empty(),
-                         num_running=sched.num_running, num_waiting=sched.num_waiting,
-                         kv_usage=round(core.kv.usage, 4), kv_cache_bytes=core.kv_cache_bytes,
+                         num_running=stats.num_running, num_waiting=stats.num_waiting,
+                         kv_usage=stats.kv_usage, kv_cache_bytes=core.kv_cache_bytes,
                          num_kv_blocks=core.num_kv_blocks, kv_source=core.kv_source,
                          timestamp=time.time())
 
@@ -233,58 +212,28 @@ class EngineCoreProc:
         update (EngineCore.queue_aborts). Reads only (dict gets, atomic under the GIL);
         the ABORT also stays on the input queue, so ids not added yet and an idle loop
         are handled there, in order."""
-        queue_aborts = getattr(self.core, "queue_aborts", None)
-        if queue_aborts is None:
-            return
         ids = [rid for rid in request_ids if self._req_slot.get(rid) == slot]
         if ids:
-            queue_aborts(ids)
+            self.core.queue_aborts(ids)
 
     def _on_signal(self, signum, frame) -> None:
         # Runs on the main thread between bytecodes; SimpleQueue.put is reentrant-safe.
-        self._num_signals += 1
-        if self.state == EngineState.STARTING and self._num_signals >= 2:
-            raise SystemExit(EXIT_OK)  # second signal while loading: give up the load
-        self.input_queue.put((None, MsgType.WAKEUP, None))
+        self._carry_out(self.lifecycle.on_signal())
 
     # -- the busy loop ----------------------------------------------------------------------
     def _busy_loop(self) -> int:
+        """Take input (blocking only when idle), then step, stop or die: as the lifecycle says."""
+        lifecycle = self.lifecycle
         try:
             while True:
-                if self.state == EngineState.DRAINING and not self.core.has_unfinished_requests():
-                    self._stop(aborted=False)  # before blocking: a drained engine is done
-                self._process_inputs()
-                now = time.monotonic()
-                if self.state == EngineState.UNHEALTHY:
-                    if now >= self._deadline:
-                        self._die(f"no recovery within {self.settings.recovery_timeout_s} s "
-                                  f"after: {self._fault_reason}")
-                    continue
-                if self.state == EngineState.DRAINING:
-                    if not self.core.has_unfinished_requests():
-                        self._stop(aborted=False)
-                    if now >= self._deadline:
-                        self._stop(aborted=True, cause="drain timeout")
-                if self.state in (EngineState.RUNNING, EngineState.DRAINING) \
-                        and self.core.has_unfinished_requests():
-                    self._step()
-        except _Exit as exc:
+                self._carry_out(lifecycle.before_inputs(time.monotonic(), self.core.has_unfinished_requests()))
+                self._carry_out(lifecycle.on_tick(time.monotonic(), self.core.has_unfinished_requests()))
+        except EngineExit as exc:
             return exc.code
 
-    def _idle(self) -> bool:
-        return self.state in (EngineState.PAUSED, EngineState.UNHEALTHY) \
-            or not self.core.has_unfinished_requests()
-
-    def _process_inputs(self, block_s: float | None = None) -> None:
-        """Block for the first item when idle (until the drain/recovery deadline), then drain."""
-        if block_s is None and self._idle():
-            block_s = (max(0.0, self._deadline - time.monotonic())
-                       if self._deadline is not None else None)
-            try:
-                self._handle(*self.input_queue.get(timeout=block_s))
-            except queue.Empty:
-                return
-        elif block_s:
+    def _process_inputs(self, block_s: float | None = 0.0) -> None:
+        """Block up to ``block_s`` (None: no limit) for the first item, then drain the queue."""
+        if block_s is None or block_s > 0:
             try:
                 self._handle(*self.input_queue.get(timeout=block_s))
             except queue.Empty:
@@ -306,23 +255,14 @@ class EngineCoreProc:
         elif msg_type == MsgType.UTILITY:
             self.output_queue.put((slot, MsgType.UTILITY_RESULT, self._utility(msg)))
         elif msg_type == MsgType.SHUTDOWN:
-            timeout_s = msg.drain_timeout_s
-            self._begin_shutdown(self.settings.drain_timeout_s if timeout_s is None else timeout_s,
-                                 "SHUTDOWN message")
+            self._carry_out(self.lifecycle.on_shutdown(msg.drain_timeout_s, "SHUTDOWN message", time.monotonic()))
         elif msg_type == MsgType.HANDSHAKE_REJECT:
-            self._refused(slot, msg.reason)
+            self._carry_out(self.lifecycle.on_refused(slot, msg.reason))
         elif msg_type == MsgType.WAKEUP:
-            while self._handled_signals < self._num_signals:
-                self._handled_signals += 1
-                first = self._handled_signals == 1
-                log.info("engine %d: signal %d: %s", self.engine_index, self._handled_signals,
-                         "draining" if first else "aborting")
-                self._begin_shutdown(self.settings.drain_timeout_s if first else 0.0,
-                                     f"signal #{self._handled_signals}")
+            self._carry_out(self.lifecycle.on_wakeup(time.monotonic()))
 
     def _add(self, slot: int, req: EngineCoreRequest) -> None:
-        refusal = {EngineState.DRAINING: "engine is draining (shutting down); send it elsewhere",
-                   EngineState.UNHEALTHY: f"engine is unhealthy: {self._fault_reason}"}.get(self.state)
+        refusal = self.lifecycle.refusal_for_new_request()
         if refusal is None and req.request_id in self._req_slot:
             refusal = f"request id {req.request_id!r} is already in use"
         if refusal is not None:
@@ -341,8 +281,8 @@ class EngineCoreProc:
             else:
                 outputs, executed = core.step()
         except RequestExecutionError as exc:  # pinned to some requests: fail them, go on
-            log.warning("engine %d: %s", self.engine_index, exc)
-            self._fail_requests(exc.request_ids, f"request execution failed: {exc}")
+            log.warning("engine %d: %s", self.engine_index, exc)  # error outputs come with the next step
+            self.core.fail_requests(exc.request_ids, f"request execution failed: {exc}")
             return
         except Exception as exc:
             self._engine_fault(exc, time.monotonic())
@@ -351,19 +291,8 @@ class EngineCoreProc:
         if not executed and not outputs:
             self._process_inputs(block_s=0.001)  # nothing schedulable yet: do not spin
 
-    def _fail_requests(self, request_ids: list[str], error: str) -> None:
-        if hasattr(self.core, "fail_requests"):
-            self.core.fail_requests(request_ids, error)  # error outputs come with the next step
-            return
-        self.core.abort_requests(request_ids)
-        for rid in request_ids:
-            slot = self._req_slot.pop(rid, None)
-            if slot is not None:
-                self._send_outputs(slot, [EngineCoreOutput(request_id=rid, finish_reason="error",
-                                                           error=error)])
-
     def _publish(self, outputs: list[EngineCoreOutput]) -> None:
-        details = self.core.take_iteration_details() if hasattr(self.core, "take_iteration_details") else None
+        details = self.core.take_iteration_details()
         if details:  # EngineConfig.iteration_details: every frontend gets the step records
             for link in self._links:
                 self.output_queue.put((link.slot, MsgType.OUTPUTS, EngineCoreOutputs(
@@ -396,9 +325,41 @@ class EngineCoreProc:
             engine_index=self.engine_index, outputs=outputs, scheduler_stats=stats,
             timestamp=time.time())))
 
-    # -- state changes ----------------------------------------------------------------------
-    def _set_state(self, state: EngineState, reason: str = "", requests_dropped: bool = False) -> None:
-        self.state = state
+    # -- carrying out the lifecycle's actions (engine/lifecycle.py) ----------------------------
+    def _carry_out(self, actions: list[Action]) -> None:
+        for action in actions:
+            match action:
+                case Wait(until=until):
+                    self._process_inputs(None if until is None else max(0.0, until - time.monotonic()))
+                case Step():
+                    self._step()
+                case SetState(state=state, reason=reason, drop_requests=drop):
+                    self._send_status(state, reason, self._drop_all_requests() if drop else False)
+                case Stop(aborted=aborted):
+                    self._send_status(EngineState.STOPPED, action.reason,
+                                      self._drop_all_requests() if aborted else False)
+                    log.info("engine %d stopped (%s)", self.engine_index, "aborted" if aborted else "drained")
+                    raise EngineExit(action.exit_code)
+                case Refused(slot=slot, reason=reason):  # the other frontends learn it from STOPPED
+                    log.error("engine %d: frontend %d refused this engine: %s", self.engine_index, slot, reason)
+                    self._send_status(EngineState.STOPPED, f"refused by frontend {slot}: {reason}",
+                                      self._drop_all_requests())
+                    raise EngineExit(action.exit_code)
+                case Die():
+                    self._die(action)
+                case RollBack():
+                    self.core.recover_after_fault()  # the batch the failed step left in flight
+                case ResetPrefixCache():
+                    self.core.reset_prefix_cache()
+                case Signalled(number=number):
+                    log.info("engine %d: signal %d: %s", self.engine_index, number,
+                             "draining" if action.draining else "aborting")
+                case Wake():
+                    self.input_queue.put((None, MsgType.WAKEUP, None))
+                case AbandonStart():
+                    raise SystemExit(EXIT_OK)
+
+    def _send_status(self, state: EngineState, reason: str, requests_dropped: bool) -> None:
         self.output_queue.put((None, MsgType.STATUS, EngineStatus(
             engine_index=self.engine_index, state=state.value, reason=reason,
             requests_dropped=requests_dropped, pid=os.getpid())))
@@ -416,63 +377,19 @@ class EngineCoreProc:
 
     def _engine_fault(self, exc: BaseException, fault_monotonic_s: float | None = None) -> None:
         """``fault_monotonic_s``: time.monotonic() when the fault was caught (default: now)."""
-        if fault_monotonic_s is None:
-            fault_monotonic_s = time.monotonic()
         reason = f"{type(exc).__name__}: {exc}"
-        if self.settings.recovery_timeout_s <= 0:
-            # ENGINE_CORE_DEAD leaves before the traceback is formatted and logged
-            self._die(reason, fault_monotonic_s, exc)
-        log.error("engine %d: engine-level fault: %s", self.engine_index, reason, exc_info=exc)
-        self._fault_reason = reason
-        self._deadline = time.monotonic() + self.settings.recovery_timeout_s
-        dropped = False if self.settings.keep_requests_on_fault else self._drop_all_requests()
-        self._set_state(EngineState.UNHEALTHY, reason, requests_dropped=dropped)
+        now = time.monotonic() if fault_monotonic_s is None else fault_monotonic_s
+        for action in self.lifecycle.on_fault(reason, now):
+            if isinstance(action, Die):  # ENGINE_CORE_DEAD leaves before the traceback is logged
+                self._die(action, exc)
+            log.error("engine %d: engine-level fault: %s", self.engine_index, reason, exc_info=exc)
+            self._carry_out([action])
 
-    def _recover(self, reset: bool) -> None:
-        if self.state == EngineState.UNHEALTHY and hasattr(self.core, "recover_after_fault"):
-            self.core.recover_after_fault()  # roll back the batch the failed step left in flight
-        dropped = self._drop_all_requests() if reset else False
-        if reset and hasattr(self.core, "reset_prefix_cache"):
-            self.core.reset_prefix_cache()
-        self._deadline = None
-        self._fault_reason = ""
-        self._set_state(EngineState.RUNNING, "reset" if reset else "resumed", requests_dropped=dropped)
-
-    def _begin_shutdown(self, drain_timeout_s: float, cause: str = "shutdown") -> None:
-        if drain_timeout_s <= 0 or self.state == EngineState.UNHEALTHY:
-            self._stop(aborted=True, cause=cause)
-        if self.state != EngineState.DRAINING:
-            self._deadline = time.monotonic() + drain_timeout_s
-            self._set_state(EngineState.DRAINING, f"draining for up to {drain_timeout_s} s")
-        else:
-            self._deadline = min(self._deadline, time.monotonic() + drain_timeout_s)
-
-    def _stop(self, aborted: bool, cause: str = "") -> NoReturn:
-        """Aborted: the in-flight requests are dropped; the STOPPED status says so
-        (requests_dropped) and why, and a frontend fails them with that reason."""
-        dropped = self._drop_all_requests() if aborted else False
-        reason = (f"shutdown{f' ({cause})' if cause else ''}: in-flight work aborted" if aborted
-                  else "shutdown (drained)")
-        self._set_state(EngineState.STOPPED, reason, requests_dropped=dropped)
-        log.info("engine %d stopped (%s)", self.engine_index, "aborted" if aborted else "drained")
-        raise _Exit(EXIT_OK)
-
-    def _refused(self, slot: int, reason: str) -> NoReturn:
-        """A frontend refused this engine after READY (config hash mismatch): stop with
-        EXIT_CONFIG_MISMATCH; the other frontends learn it from the STOPPED status."""
-        log.error("engine %d: frontend %d refused this engine: %s", self.engine_index, slot, reason)
-        dropped = self._drop_all_requests()
-        self._set_state(EngineState.STOPPED, f"refused by frontend {slot}: {reason}",
-                        requests_dropped=dropped)
-        raise _Exit(EXIT_CONFIG_MISMATCH)
-
-    def _die(self, reason: str, fault_monotonic_s: float | None = None,
-             exc: BaseException | None = None) -> NoReturn:
-        self.state = EngineState.DEAD
-        self._send_dead(reason, fault_monotonic_s)
+    def _die(self, action: Die, exc: BaseException | None = None) -> NoReturn:
+        self._send_dead(action.reason, action.fault_monotonic_s)
         if exc is not None:
             log.error("engine %d: engine-level fault", self.engine_index, exc_info=exc)
-        raise _Exit(EXIT_DEAD)
+        raise EngineExit(action.exit_code)
 
     def _send_dead(self, reason: str, fault_monotonic_s: float | None = None) -> None:
         self.output_queue.put((None, MsgType.ENGINE_CORE_DEAD, EngineDead(
@@ -482,17 +399,33 @@ class EngineCoreProc:
 
     # -- utilities --------------------------------------------------------------------------
     def _utility(self, call: UtilityCall) -> UtilityResult:
+        """Run ``_u_<method>(**args)``. The one place a utility's exception becomes a
+        ``UtilityErrorCode``: callers decide on the code; the text is for people."""
         fn = getattr(self, f"_u_{call.method}", None)
         if fn is None:
             return UtilityResult(call_id=call.call_id, ok=False, engine_index=self.engine_index,
-                                 error=f"unknown utility method {call.method!r}")
+                                 error=f"unknown utility method {call.method!r}",
+                                 code=UtilityErrorCode.UNKNOWN_METHOD.value)
         try:
             result = fn(**call.args)
-        except _Exit:
+        except EngineExit:
             raise
-        except Exception as exc:  # the caller gets the error; the engine goes on
+        except Exception as exc:  # the caller gets the error and its code; the engine goes on
+            codes = ((WeightLoadInProgressError, UtilityErrorCode.CONFLICT),  # before its base
+                     (WeightLoadError, UtilityErrorCode.BAD_ARGUMENT),
+                     (EngineStateError, UtilityErrorCode.BAD_STATE),
+                     (FaultInjectionDisabledError, UtilityErrorCode.PERMISSION),
+                     (ValueError, UtilityErrorCode.BAD_ARGUMENT))
+            code = next((c for t, c in codes if isinstance(exc, t)), UtilityErrorCode.INTERNAL)
+            if isinstance(exc, TypeError):  # arguments that do not fit the utility: the caller's
+                import inspect
+
+                try:
+                    inspect.signature(fn).bind(**call.args)
+                except TypeError:
+                    code = UtilityErrorCode.BAD_ARGUMENT
             return UtilityResult(call_id=call.call_id, ok=False, engine_index=self.engine_index,
-                                 error=f"{type(exc).__name__}: {exc}")
+                                 error=f"{type(exc).__name__}: {exc}", code=code.value)
         return UtilityResult(call_id=call.call_id, ok=True, result=result,
                              engine_index=self.engine_index)
 
@@ -520,26 +453,16 @@ class EngineCoreProc:
         """The weight version in place and the current or last load (EngineCore.weight_status)."""
         return self.core.weight_status()
 
-    def _u_pause(self) -> str:
-        if self.state != EngineState.RUNNING:
-            raise ValueError(f"cannot pause in state {self.state.value}")
-        self._set_state(EngineState.PAUSED, "paused (requests kept)")
+    def _u_pause(self) -> str:  # EngineStateError (from the lifecycle) when not running
+        self._carry_out(self.lifecycle.pause())
         return self.state.value
 
     def _u_resume(self) -> str:
-        if self.state not in (EngineState.PAUSED, EngineState.UNHEALTHY):
-            raise ValueError(f"cannot resume in state {self.state.value}")
-        if (self.state == EngineState.UNHEALTHY and self._req_slot
-                and not hasattr(self.core, "recover_after_fault")):
-            raise ValueError("this engine core cannot resume requests after a fault "
-                             "(no recover_after_fault); use 'reset'")
-        self._recover(reset=False)
+        self._carry_out(self.lifecycle.resume())
         return self.state.value
 
     def _u_reset(self) -> str:
-        if self.state in (EngineState.DRAINING, EngineState.STOPPED, EngineState.DEAD):
-            raise ValueError(f"cannot reset in state {self.state.value}")
-        self._recover(reset=True)
+        self._carry_out(self.lifecycle.reset())
         return self.state.value
 
     def _u_fault_inject(self, kind: str, exit_code: int = 137, seconds: float = 3600.0) -> str:
@@ -547,9 +470,9 @@ class EngineCoreProc:
         model step raise; "exit" ends the process at once (no ENGINE_CORE_DEAD, like
         SIGKILL); "hang" blocks the loop (a hung step)."""
         if not self._fault_injection:
-            raise PermissionError(f"fault injection is disabled (set {FAULT_INJECTION_ENV}=1)")
+            raise FaultInjectionDisabledError(f"fault injection is disabled (set {FAULT_INJECTION_ENV}=1)")
         if kind in ("fatal", "request"):
-            self.core.runner.fault_next_step = kind
+            self.core.inject_step_fault(kind)
         elif kind == "exit":
             os._exit(exit_code)
         elif kind == "hang":
@@ -570,7 +493,7 @@ def run_engine_core(engine_index: int, input_addresses: list[str], config: Engin
     if isinstance(settings, dict):
         settings = msgspec.convert(settings, ProcSettings)
     settings = settings or ProcSettings()
-    _setup_logging(engine_index, settings.log_level)
+    setup_logging(engine_index, settings.log_level)
     proc = EngineCoreProc(engine_index, input_addresses, config, settings, output_addresses)
     sys.exit(proc.run())
 
@@ -580,21 +503,6 @@ def _since_exec_s() -> float:
     import psutil
 
     return time.time() - psutil.Process().create_time()
-
-
-def _setup_logging(engine_index: int, level: str) -> None:
-    from planaria.daemon.logging import configure_child  # the daemon's format: JSON lines in its log files
-
-    configure_child(getattr(logging, level.upper(), logging.INFO), engine_id=engine_index)
-
-
-def _json_arg(text: str | None) -> Any:
-    if text is None:
-        return None
-    if text.startswith("@"):
-        with open(text[1:], "rb") as f:
-            text = f.read()
-    return msgspec.json.decode(text)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -609,8 +517,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--settings-json", help="ProcSettings as JSON, or @file")
     args = p.parse_args(argv)
     try:
-        config = _json_arg(args.config_json)
-        settings = _json_arg(args.settings_json)
+        config = json_arg(args.config_json)
+        settings = json_arg(args.settings_json)
         if config is not None:
             config = msgspec.convert(config, EngineConfig)
             config.validate()

@@ -19,8 +19,8 @@ import zmq
 from planaria.engine.errors import ConfigMismatchError, EngineHandshakeError, WireFormatError
 from planaria.engine.messages import EngineCoreOutput, EngineCoreOutputs
 from planaria.engine.wire import (ENGINE_INPUT_TYPES, PROTOCOL_VERSION, HandshakeInit, Hello, MsgType,
-                         UtilityResult, WireDecoder, WireEncoder, WireError, engine_identity,
-                         recover_call_id)
+                         UtilityErrorCode, UtilityResult, WireDecoder, WireEncoder, WireError,
+                         engine_identity, recover_call_id)
 
 log = logging.getLogger(__name__)
 
@@ -191,7 +191,7 @@ class InputThread(threading.Thread):
             if call_id is not None:
                 self.output_queue.put((slot, MsgType.UTILITY_RESULT, UtilityResult(
                     call_id=call_id, ok=False, error=f"malformed utility call: {exc}",
-                    engine_index=self.engine_index)))
+                    code=UtilityErrorCode.BAD_ARGUMENT.value, engine_index=self.engine_index)))
                 return
         self.output_queue.put((slot, MsgType.ERROR, WireError(
             engine_index=self.engine_index, message=str(exc)[:500], request_id=exc.request_id)))

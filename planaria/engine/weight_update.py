@@ -40,7 +40,7 @@ from planaria.engine.errors import EngineError, WeightLoadError
 log = structlog.get_logger("planaria.engine.weights")
 
 MODES = ("finish_old", "continue_new")
-IN_PROGRESS = "a weight load is already in progress"  # the frontend maps it to CONFLICT
+IN_PROGRESS = "a weight load is already in progress"  # WeightLoadInProgressError: code "conflict"
 _load_ids = itertools.count(1)
 
 

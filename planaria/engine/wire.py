@@ -27,6 +27,7 @@ No pickle anywhere: unknown types and bad payloads raise ``WireFormatError``.
 
 from __future__ import annotations
 
+import enum
 import sys
 from array import array
 from typing import Any
@@ -113,12 +114,36 @@ class UtilityCall(msgspec.Struct, kw_only=True):
     args: dict[str, Any] = {}
 
 
+class UtilityErrorCode(str, enum.Enum):
+    """Why a utility call failed (``UtilityResult.code``); callers decide on it, never on
+    the ``error`` text. Set in one place, ``EngineCoreProc._utility`` (engine/proc.py)."""
+
+    UNKNOWN_METHOD = "unknown_method"  # no such utility on this engine
+    BAD_ARGUMENT = "bad_argument"      # malformed call, or arguments the utility refuses
+    BAD_STATE = "bad_state"            # not allowed in the engine's current state
+    CONFLICT = "conflict"              # another operation is in progress (a weight load)
+    PERMISSION = "permission"          # not enabled on this engine (fault injection)
+    INTERNAL = "internal"              # anything else: a bug, see the engine's log
+
+    @classmethod
+    def of(cls, value: str | None) -> "UtilityErrorCode":
+        """The code a result carries; INTERNAL when it carries none (an engine older than
+        the field) or one this side does not know (a newer engine)."""
+        try:
+            return cls(value)
+        except ValueError:
+            return cls.INTERNAL
+
+
 class UtilityResult(msgspec.Struct, kw_only=True, omit_defaults=True):
     call_id: int
     ok: bool
     result: Any = None
     error: str | None = None
     engine_index: int = 0
+    # A UtilityErrorCode value when not ok. A plain str on the wire, absent by default, so
+    # results with and without it decode on both sides; read it with UtilityErrorCode.of.
+    code: str | None = None
 
 
 class Shutdown(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -135,7 +160,7 @@ class EngineDead(msgspec.Struct, kw_only=True, omit_defaults=True):
 
 
 class EngineStatus(msgspec.Struct, kw_only=True, omit_defaults=True):
-    """A change of the engine's lifecycle state (see engine.proc.EngineState)."""
+    """A change of the engine's lifecycle state (see engine.lifecycle.EngineState)."""
 
     engine_index: int
     state: str

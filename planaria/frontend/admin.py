@@ -7,8 +7,9 @@ control socket -> this socket -> ``EngineClient.call_utility`` on each engine.
     ipc://<runtime dir>/fe<client index>-admin   ROUTER, file mode 0600 (like control.sock)
     frames [identity, b"", msgpack(AdminRequest)] in, [identity, b"", msgpack(Ok | Err)] out
 
-The envelope and error codes are the supervisor's (daemon/envelope.py, daemon/errors.py).
-Commands, with their wire forms::
+The envelope, error codes and the blocking client (``FrontendAdminClient``, the
+supervisor's side) are the admin protocol's, in planaria/common/. Commands, with their wire
+forms::
 
     {"command": "load_weights", "args": {"model_dir": "/abs/dir", "mode": "finish_old",
                                          "engine_id": null, "version": null}}
@@ -21,7 +22,9 @@ Commands, with their wire forms::
 A load is accepted once the engines checked the directory and config (milliseconds); the
 checkpoint is then read on each engine's own thread, and ``weight_status`` tells when it
 is applied or failed. Every call here is bounded by ``utility_timeout_s``, so the caller
-(the supervisor's loop) never waits long. ``call(...)`` is the blocking client half.
+(the supervisor's loop) never waits long. An engine's refusal carries a code
+(``UtilityCallError.code``): the load is a ``CONFLICT`` when every engine refused with
+``conflict`` (a load already in progress), else a ``BAD_ARGUMENT``.
 """
 
 from __future__ import annotations
@@ -29,35 +32,28 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from pathlib import Path
 from typing import Any
 
 import msgspec
 import zmq
 import zmq.asyncio
 
-from planaria.daemon.envelope import AdminRequest, Err, ErrorCode, Ok, decode_reply, decode_request, encode
-from planaria.daemon.errors import (BadArgumentError, ConflictError, UnavailableError, UnknownCommandError,
-                           UnknownEngineError, from_reply, to_reply)
+from planaria.common.envelope import Err, ErrorCode, Ok, decode_request, encode
+from planaria.common.errors import (BadArgumentError, ConflictError, UnavailableError, UnknownCommandError,
+                                    UnknownEngineError, to_reply)
+from planaria.common.sockets import frontend_admin_socket_path
+from planaria.engine.errors import UtilityCallError
+from planaria.engine.wire import UtilityErrorCode
 
 log = logging.getLogger(__name__)
 
 MODES = ("finish_old", "continue_new")  # engine/weight_update.py (not imported: it pulls in torch)
-IN_PROGRESS = "a weight load is already in progress"  # engine/weight_update.IN_PROGRESS
 DEFAULT_UTILITY_TIMEOUT_S = 4.0
-_MAX_IPC_PATH = 100
-
-
-def admin_socket_path(runtime_dir: str | os.PathLike, client_index: int = 0) -> Path:
-    path = Path(runtime_dir) / f"fe{client_index}-admin"
-    if len(os.fsencode(path)) > _MAX_IPC_PATH:
-        raise ValueError(f"admin socket path {path} is longer than {_MAX_IPC_PATH} bytes")
-    return path
 
 
 class EngineAdmin:
     """Weight operations over an ``EngineClient`` (anything with ``engines`` and
-    ``call_utility``). Raises ``daemon.errors.AdminError`` subclasses."""
+    ``call_utility``). Raises ``common.errors.AdminError`` subclasses."""
 
     def __init__(self, client, utility_timeout_s: float = DEFAULT_UTILITY_TIMEOUT_S) -> None:
         self.client = client
@@ -104,7 +100,8 @@ class EngineAdmin:
                 started[str(i)] = r
         if not started:  # every engine refused: nothing changed anywhere
             reasons = sorted(set(errors.values()))
-            cls = ConflictError if all(IN_PROGRESS in r for r in reasons) else BadArgumentError
+            busy = all(isinstance(r, UtilityCallError) and r.code is UtilityErrorCode.CONFLICT for r in results)
+            cls = ConflictError if busy else BadArgumentError
             raise cls(f"weights from {model_dir} not loaded: " + "; ".join(reasons))
         log.info("weight load started on engines %s from %s (%s)%s", sorted(started), model_dir, mode,
                  f"; refused by {errors}" if errors else "")
@@ -132,8 +129,8 @@ class EngineAdmin:
 def _reason(exc: BaseException) -> str:
     if isinstance(exc, asyncio.TimeoutError):
         return "the engine did not answer in time"
-    text = str(exc) or type(exc).__name__
-    return text.removeprefix("WeightLoadError: ")
+    text = str(exc) or type(exc).__name__  # an engine's refusal reads "WeightLoadError: why"
+    return text.removeprefix("WeightLoadError: ").removeprefix("WeightLoadInProgressError: ")
 
 
 class AdminSocket:
@@ -143,7 +140,7 @@ class AdminSocket:
 
     def __init__(self, admin: EngineAdmin, runtime_dir: str | os.PathLike, client_index: int = 0) -> None:
         self.admin = admin
-        self.path = admin_socket_path(runtime_dir, client_index)
+        self.path = frontend_admin_socket_path(runtime_dir, client_index)
         self._ctx: zmq.asyncio.Context | None = None
         self._sock = None
         self._task: asyncio.Task | None = None
@@ -209,34 +206,3 @@ class AdminSocket:
             self._ctx.term()
             self.path.unlink(missing_ok=True)
 
-
-def call(runtime_dir: str | os.PathLike, command: str, args: dict, timeout_s: float,
-         client_index: int = 0) -> Any:
-    """Blocking client (the supervisor's side): the reply's data, or the ``AdminError``
-    the frontend answered; ``UnavailableError`` when it is not there or does not answer."""
-    import uuid
-
-    path = admin_socket_path(runtime_dir, client_index)
-    if not path.exists():
-        raise UnavailableError(f"the frontend's admin socket {path} does not exist (is the frontend running?)")
-    request = AdminRequest(id=uuid.uuid4().hex, command=command, args=args)
-    ctx = zmq.Context.instance()
-    sock = ctx.socket(zmq.DEALER)
-    try:
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(f"ipc://{path}")
-        sock.send_multipart([b"", encode(request)])
-        if not sock.poll(int(timeout_s * 1000), zmq.POLLIN):
-            raise UnavailableError(f"the frontend did not answer {command!r} within {timeout_s:g} s")
-        frames = sock.recv_multipart()
-    finally:
-        sock.close(linger=0)
-    if len(frames) != 2 or frames[0] != b"":
-        raise UnavailableError(f"unexpected reply framing from the frontend's admin socket {path}")
-    try:
-        reply = decode_reply(frames[1])
-    except msgspec.DecodeError as exc:
-        raise UnavailableError(f"malformed reply from the frontend's admin socket: {exc}") from exc
-    if isinstance(reply, Err):
-        raise from_reply(reply)
-    return reply.data

@@ -30,7 +30,7 @@ from planaria.engine.errors import EngineFaultError, EngineHandshakeError, NoEng
 from planaria.engine.messages import EngineCoreOutput, EngineCoreRequest, Logprobs
 from planaria.engine.sampling_params import SamplingParams
 from planaria.frontend.errors import EngineRequestError, FrontendError, RequestError, ServiceUnavailableError
-from planaria.frontend.journal import GiveUp, RequestJournal
+from planaria.frontend.journal import FailRequest, RequestJournal
 
 log = logging.getLogger(__name__)
 
@@ -118,7 +118,7 @@ class Generator:
                             f"{self.replay_wait_s} s: {exc}", code="no_engine_available") from exc
                 except EngineFaultError as exc:
                     action = journal.decide(rid)
-                    if isinstance(action, GiveUp):
+                    if isinstance(action, FailRequest):
                         self._error(action.code)
                         raise ServiceUnavailableError(f"the engine serving this request failed: {exc}; "
                                                       f"{action.reason}", code="engine_dead") from exc

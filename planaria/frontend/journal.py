@@ -17,15 +17,15 @@ was replayed. When an engine dies the requests it held are marked lost; for each
   journal's: the caller keeps feeding the same one, so stop strings are checked over the
   whole text and nothing is re-emitted. A structured-output request also carries the
   streamed tokens as ``structured_output_prefix_tokens``, so its grammar resumes there.
-- ``GiveUp(reason, code)``: the replay limit is reached (or nothing is left to do); the
-  client gets an explicit error.
+- ``FailRequest(reason, code)``: the replay limit is reached (or nothing is left to do);
+  the client gets an explicit error.
 
     journal = RequestJournal(max_replays=3)
     journal.open(ecr)                         # before the first submission
     journal.on_submitted(rid, engine_index)   # the engine it went to
     journal.on_tokens(rid, out.new_token_ids)  # after each output reaches the client
     lost = journal.on_engine_dead(0)          # ids of requests that were on engine 0
-    action = journal.decide(rid)              # Replay(...) | GiveUp(...)
+    action = journal.decide(rid)              # Replay(...) | FailRequest(...)
     journal.on_replay_token(rid)              # first token of the replay: latency, or None
     journal.close(rid)
 """
@@ -70,7 +70,9 @@ class Replay:
 
 
 @dataclass(frozen=True)
-class GiveUp:
+class FailRequest:
+    """Do not replay: the request ends with an explicit error (``code`` for the metrics)."""
+
     reason: str
     code: str  # "replay_limit" | "request_done"
 
@@ -147,17 +149,17 @@ class RequestJournal:
         if entry.lost_at_s is None:
             entry.lost_at_s = now
 
-    def decide(self, request_id: str) -> Replay | GiveUp:
+    def decide(self, request_id: str) -> Replay | FailRequest:
         entry = self._entries[request_id]
         if entry.lost_at_s is None:
             self.on_lost(request_id)
         p = entry.request.sampling_params
         n = entry.num_output_tokens
         if p.max_tokens is not None and n >= p.max_tokens:
-            return GiveUp(f"all {p.max_tokens} tokens were already produced", "request_done")
+            return FailRequest(f"all {p.max_tokens} tokens were already produced", "request_done")
         if entry.num_replays >= self.max_replays:
-            return GiveUp(f"the request's engine failed {entry.num_replays + 1} times "
-                          f"(replay limit {self.max_replays})", "replay_limit")
+            return FailRequest(f"the request's engine failed {entry.num_replays + 1} times "
+                               f"(replay limit {self.max_replays})", "replay_limit")
         entry.num_replays += 1
         self.num_replays_total += 1
         entry.awaiting_first_token = True

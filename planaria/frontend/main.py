@@ -130,7 +130,7 @@ async def serve(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from planaria.daemon.logging import configure_child  # the daemon's format: JSON lines in its log files
+    from planaria.common.logging import configure_child  # the daemon's format: JSON lines in its log files
 
     configure_child(getattr(logging, args.log_level.upper(), logging.INFO), child="frontend",
                     client_index=args.client_index)

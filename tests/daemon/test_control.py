@@ -11,9 +11,10 @@ import msgspec
 import pytest
 import zmq
 
-from planaria.daemon import errors
+from planaria.common import errors
+from planaria.common.envelope import AdminRequest, Err, ErrorCode, Ok, decode_reply, encode
 from planaria.daemon.control import ControlClient, ControlServer, control_socket_path
-from planaria.daemon.envelope import AdminRequest, Err, ErrorCode, Ok, decode_reply, encode
+from planaria.daemon.errors import DaemonAlreadyRunningError
 
 
 def handler(request: AdminRequest) -> Ok | Err:
@@ -126,7 +127,7 @@ def test_malformed_request_gets_bad_argument(runtime_dir):
 
 
 def test_no_socket_means_not_running(runtime_dir):
-    with pytest.raises(errors.DaemonNotRunningError) as info:
+    with pytest.raises(errors.NotRunningError) as info:
         ControlClient(runtime_dir, timeout_s=1.0).call("status")
     assert str(info.value) == (f"planaria daemon is not running (no control socket at "
                                f"{control_socket_path(runtime_dir)})")
@@ -136,14 +137,14 @@ def test_socket_without_answer_means_not_running(runtime_dir):
     # A socket file nobody serves (a supervisor that was SIGKILLed leaves one behind).
     with ControlServer(runtime_dir, handler):
         client = ControlClient(runtime_dir, timeout_s=0.3)
-        with pytest.raises(errors.DaemonNotRunningError) as info:
+        with pytest.raises(errors.NotRunningError) as info:
             client.call("echo")  # bound but never polled
     assert "no answer" in str(info.value) and "within 0.3s" in str(info.value)
 
 
 def test_second_server_is_refused_and_stale_socket_is_replaced(runtime_dir):
     with ControlServer(runtime_dir, handler):
-        with pytest.raises(errors.DaemonAlreadyRunningError):
+        with pytest.raises(DaemonAlreadyRunningError):
             ControlServer(runtime_dir, handler)
     control_socket_path(runtime_dir).touch()  # stale file left by a dead supervisor
     server = ControlServer(runtime_dir, handler)
@@ -227,7 +228,7 @@ def test_curve_wrong_server_key_says_so(runtime_dir, server_keys):
     try:
         client = ControlClient(tcp=tcp_address(server), server_public_key=wrong_public,
                                timeout_s=0.5)
-        with pytest.raises(errors.ControlAuthError, match="--server-key is not the public key"):
+        with pytest.raises(errors.AuthRefusedError, match="--server-key is not the public key"):
             client.call("echo")
     finally:
         server.close()
@@ -239,7 +240,7 @@ def test_curve_nothing_listening_is_not_running(server_keys):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]  # closed again: nothing listens there
     client = ControlClient(tcp=f"127.0.0.1:{port}", server_public_key=public, timeout_s=0.5)
-    with pytest.raises(errors.DaemonNotRunningError, match="connection not accepted"):
+    with pytest.raises(errors.NotRunningError, match="connection not accepted"):
         client.call("echo")
 
 
@@ -254,7 +255,7 @@ def test_curve_client_allow_list(runtime_dir, server_keys):
         assert ok_client.call("echo")["args"] == {}
         stranger_client = ControlClient(tcp=tcp_address(server), server_public_key=public,
                                         client_keypair=stranger, timeout_s=0.5)
-        with pytest.raises(errors.ControlAuthError, match="refused this client's key"):
+        with pytest.raises(errors.AuthRefusedError, match="refused this client's key"):
             stranger_client.call("echo")
     finally:
         server.close()

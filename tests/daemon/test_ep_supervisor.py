@@ -7,7 +7,7 @@ import signal
 from types import SimpleNamespace
 
 from planaria.daemon.ep_supervisor import EPSupervisor
-from planaria.daemon.slot import SlotState
+from planaria.daemon.slot import AfterExit, SlotState
 from planaria.elastic.placement import Placement
 from tests.daemon.test_supervisor_logic import beat, die, engine_child, make
 
@@ -55,7 +55,7 @@ def test_a_smaller_share_removes_the_highest_ids_ranks_leave_at_the_epoch():
     place(node, a=1, b=1)
     sup.tick()
     e1, e2 = sup.engines[1], sup.engines[2]
-    assert e1.after_exit == "remove" and e1.state is SlotState.RUNNING  # leaves at the scale-down epoch
+    assert e1.after_exit is AfterExit.REMOVE and e1.state is SlotState.RUNNING  # leaves at the scale-down epoch
     assert not engine_child(spawner, 1).signals
     assert e2.state is SlotState.STOPPING and engine_child(spawner, 2).signals == [signal.SIGTERM]
     die(sup, engine_child(spawner, 1), code=0)  # it left at the epoch
@@ -72,10 +72,10 @@ def test_a_share_back_up_keeps_a_rank_that_had_not_left_yet():
     node.epoch_ranks = {"a-e0", "a-e1"}
     place(node, a=1)
     sup.tick()
-    assert sup.engines[1].after_exit == "remove"
+    assert sup.engines[1].after_exit is AfterExit.REMOVE
     place(node, a=2)
     sup.tick()
-    assert sup.engines[1].after_exit == "" and sorted(sup.engines) == [0, 1]
+    assert sup.engines[1].after_exit is AfterExit.UNPLANNED and sorted(sup.engines) == [0, 1]
     assert len(spawner.children) == 3  # nothing new was started
 
 

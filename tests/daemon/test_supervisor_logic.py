@@ -7,8 +7,8 @@ import signal
 import pytest
 
 from planaria.daemon import config as config_mod
-from planaria.daemon.envelope import ErrorCode
-from planaria.daemon.errors import AdminError
+from planaria.common.envelope import ErrorCode
+from planaria.common.errors import AdminError
 from planaria.daemon.supervisor import EXIT_FAILURE, SlotState, Supervisor
 from planaria.engine.heartbeat import Heartbeat
 
@@ -291,6 +291,7 @@ def test_restart_and_drain_commands():
     with pytest.raises(AdminError) as err:
         sup.drain_engine(0)
     assert err.value.code is ErrorCode.CONFLICT
+    assert str(err.value) == "engine 0 is already stopping (restart)"  # the AfterExit's text
     die(sup, old, 0)
     assert sup.engines[0].state is SlotState.STARTING
     assert sup.policy.num_failures(("engine", 0)) == 0

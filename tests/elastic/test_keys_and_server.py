@@ -10,7 +10,7 @@ import pytest
 from planaria.elastic.errors import RecordDecodeError
 from planaria.elastic.etcd_client import make_client, parse_endpoint
 from planaria.elastic.etcd_server import EmbeddedEtcd, find_etcd_binary
-from planaria.elastic.keys import (Desired, EngineRecord, EngineState, Epoch, KeyLayout, KVBudget,
+from planaria.elastic.keys import (Desired, EngineRecord, EngineRecordState, Epoch, KeyLayout, KVBudget,
                           NodeInfo, OpPhase, OpRecord, decode, encode)
 
 
@@ -34,7 +34,7 @@ def test_layout():
 @pytest.mark.parametrize("record", [
     NodeInfo(node_id="n1", host="h", addresses={"admin": "h:1"}, capacity={"num_engines": 2},
              started_at=1.5),
-    EngineRecord(engine_id="e0", node_id="n1", rank=2, epoch=3, state=EngineState.PAUSED,
+    EngineRecord(engine_id="e0", node_id="n1", rank=2, epoch=3, state=EngineRecordState.PAUSED,
                  addresses={"input": "tcp://h:2"}, kv_cache_bytes=10, kv_source="registry"),
     Epoch(number=4, world_size=2, ranks=["e0", "e1"], expert_map=[0, 0, 1, 1],
           rendezvous="h:3", leader="n1", created_at=2.0),

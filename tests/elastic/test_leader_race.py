@@ -21,7 +21,7 @@ from pathlib import Path
 import psutil
 
 from planaria.elastic.desired import DesiredStore
-from planaria.elastic.keys import EngineRecord, EngineState, Epoch, KeyLayout, decode
+from planaria.elastic.keys import EngineRecord, EngineRecordState, Epoch, KeyLayout, decode
 from planaria.elastic.membership import Membership
 from planaria.elastic.watch import PUT, KeyWatch
 from tests.elastic.conftest import wait_for
@@ -132,11 +132,11 @@ def test_two_controllers_race_and_a_paused_leader_is_fenced(etcd_server, client,
     # Two live engines (records only: no engine process is needed to plan epochs).
     engines = Membership.from_endpoints(etcd_server.endpoint, cluster, "engines", ttl_s=10).start()
 
-    def engine(eid: str, state: EngineState, epoch: int = 0) -> None:
+    def engine(eid: str, state: EngineRecordState, epoch: int = 0) -> None:
         engines.put_engine(EngineRecord(engine_id=eid, node_id="x", state=state, epoch=epoch,
                                         served_epoch=epoch, rank=None))
-    engine("e0", EngineState.READY)
-    engine("e1", EngineState.READY)
+    engine("e0", EngineRecordState.READY)
+    engine("e1", EngineRecordState.READY)
     start_at = time.time() + 8.0  # both campaign at once, after their imports
     nodes = [Controller(n, etcd_server.endpoint, cluster, tiny_moe, tmp_path, start_at) for n in ("a", "b")]
     try:
@@ -149,8 +149,8 @@ def test_two_controllers_race_and_a_paused_leader_is_fenced(etcd_server, client,
         assert wait_for(lambda: leader.said("EPOCH_WRITTEN 1"), timeout_s=10), leader.lines[-5:]
         time.sleep(1.0)
         assert not other.said("EPOCH_WRITTEN") and client.get(layout.leader)[0].decode() == leader_id
-        engine("e0", EngineState.SERVING, 1)
-        engine("e1", EngineState.SERVING, 1)
+        engine("e0", EngineRecordState.SERVING, 1)
+        engine("e1", EngineRecordState.SERVING, 1)
 
         # Scale to 1: the leader decides on epoch 2 and is paused before it writes.
         leader.pause_file.touch()

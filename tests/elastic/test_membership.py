@@ -8,7 +8,7 @@ import time
 import pytest
 
 from planaria.elastic.errors import EtcdUnavailableError
-from planaria.elastic.keys import EngineRecord, EngineState, NodeInfo
+from planaria.elastic.keys import EngineRecord, EngineRecordState, NodeInfo
 from planaria.elastic.membership import Membership
 from tests.elastic.conftest import TTL_S, wait_for
 
@@ -25,12 +25,12 @@ def engine(engine_id: str, node_id: str, **kw) -> EngineRecord:
 def test_put_and_list_records(make_membership, client, cluster):
     m = make_membership("n1")
     m.register_node(node("n1"))
-    m.put_engine(engine("e0", "n1", rank=0, epoch=1, state=EngineState.SERVING,
+    m.put_engine(engine("e0", "n1", rank=0, epoch=1, state=EngineRecordState.SERVING,
                         kv_cache_bytes=1 << 30, kv_source="profiled"))
     m.put_engine(engine("e1", "n1"))
     assert [n.node_id for n in m.list_nodes()] == ["n1"]
     engines = {e.engine_id: e for e in m.list_engines()}
-    assert engines["e0"].state is EngineState.SERVING
+    assert engines["e0"].state is EngineRecordState.SERVING
     assert engines["e0"].kv_cache_bytes == 1 << 30
     assert engines["e1"].rank is None
     # Human-readable JSON on the node's lease.
@@ -153,7 +153,7 @@ def test_etcd_killed_and_restarted_membership_reconverges(private_etcd, cluster)
         private_etcd.kill()
         # While etcd is down the supervisor keeps changing its intent.
         with pytest.raises(EtcdUnavailableError):
-            m.put_engine(engine("e1", "n1", state=EngineState.READY))
+            m.put_engine(engine("e1", "n1", state=EngineRecordState.READY))
         with pytest.raises(EtcdUnavailableError):
             m.remove_engine("gone")
         time.sleep(TTL_S + 0.5)          # down longer than the TTL
@@ -201,21 +201,21 @@ def test_watch_engines_sees_puts_and_deletes(make_membership):
     events: list[tuple[str, EngineRecord | None]] = []
     watch = m.watch_engines(lambda i, r: events.append((i, r)))
     assert watch.wait_watching(3)
-    m.put_engine(engine("e1", "n1", state=EngineState.READY))
+    m.put_engine(engine("e1", "n1", state=EngineRecordState.READY))
     m.remove_engine("e0")
     assert wait_for(lambda: len(events) >= 3, timeout_s=3)
     assert events[0][0] == "e0" and events[0][1] is not None       # initial contents
-    assert events[1][0] == "e1" and events[1][1].state is EngineState.READY
+    assert events[1][0] == "e1" and events[1][1].state is EngineRecordState.READY
     assert events[2] == ("e0", None)
 
 
 def test_forget_engine_deletes_only_the_dead_incarnations_record(make_membership, client, cluster):
-    from planaria.elastic.keys import EngineRecord, EngineState
+    from planaria.elastic.keys import EngineRecord, EngineRecordState
     from planaria.elastic.membership import forget_engine
 
     m = make_membership("engine-e1")
     layout = m.layout
-    m.put_engine(EngineRecord(engine_id="e1", node_id="n", state=EngineState.SERVING, addresses={"pid": "111"}))
+    m.put_engine(EngineRecord(engine_id="e1", node_id="n", state=EngineRecordState.SERVING, addresses={"pid": "111"}))
     # The supervisor saw pid 100 die, but pid 111 (the restarted engine) wrote the record since.
     assert not forget_engine(client, layout, "e1", 100)
     assert client.get(layout.engine("e1"))[0] is not None

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from planaria.elastic.errors import PlacementConflictError, StaleLeaderError
-from planaria.elastic.keys import EngineRecord, EngineState, NodeInfo
+from planaria.elastic.keys import EngineRecord, EngineRecordState, NodeInfo
 from planaria.elastic.placement import Placement, PlacementStore, allowed_engines, capacity, default_target, place
 
 
@@ -52,13 +52,13 @@ def test_targets_from_the_nodes():
         place(-1, [A], None)
 
 
-def rec(eid: str, nid: str, index: int, state=EngineState.SERVING) -> EngineRecord:
+def rec(eid: str, nid: str, index: int, state=EngineRecordState.SERVING) -> EngineRecord:
     return EngineRecord(engine_id=eid, node_id=nid, state=state, addresses={"engine_index": str(index)})
 
 
 def test_allowed_engines_are_each_nodes_lowest_numbered():
     records = [rec("a-e1", "a", 1), rec("a-e0", "a", 0), rec("a-e2", "a", 2), rec("b-e0", "b", 0),
-               rec("b-e1", "b", 1, EngineState.STOPPED), rec("c-e0", "c", 0)]
+               rec("b-e1", "b", 1, EngineRecordState.STOPPED), rec("c-e0", "c", 0)]
     assert allowed_engines({"a": 2, "b": 2}, records) == {"a-e0", "a-e1", "b-e0"}  # c: not placed
     assert allowed_engines({"a": 0, "b": 1, "c": 1}, records) == {"b-e0", "c-e0"}
     # a restart: e0's record is gone for a moment, so e1 is the one kept meanwhile

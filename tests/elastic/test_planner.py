@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from planaria.elastic.keys import EngineRecord, EngineState, Epoch
+from planaria.elastic.keys import EngineRecord, EngineRecordState, Epoch
 from planaria.elastic.planner import (Abort, ExpertMove, NoChange, Rebalance, Reform, ScaleDown, ScaleUp, engine_moves,
                              expert_map, moves, plan_abort, plan_epoch)
 
@@ -119,10 +119,10 @@ def test_plan_rejects_negative_desired():
 
 
 # -- aborting a failed switch ------------------------------------------------------------------
-S, R, U = EngineState.SERVING, EngineState.READY, EngineState.UNHEALTHY
+S, R, U = EngineRecordState.SERVING, EngineRecordState.READY, EngineRecordState.UNHEALTHY
 
 
-def rec(eid: str, state: EngineState, epoch_no: int = 0, served: int = 0, failed: int = 0,
+def rec(eid: str, state: EngineRecordState, epoch_no: int = 0, served: int = 0, failed: int = 0,
         error: str = "") -> EngineRecord:
     return EngineRecord(engine_id=eid, node_id="n", state=state, epoch=epoch_no, served_epoch=served,
                         failed_epoch=failed, error=error)

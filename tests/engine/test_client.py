@@ -404,3 +404,16 @@ def test_second_sigterm_during_a_drain_aborts_at_once(tiny_model, tmp_path_facto
         for p in procs:
             stop_engine(p)
         lt.close()
+
+
+def test_engine_info_state_takes_every_lifecycle_state_and_prints_as_before():
+    """EngineInfo.state is an enum now; status text and JSON still read "running"."""
+    import json
+
+    from planaria.engine.client import EngineInfoState
+    from planaria.engine.lifecycle import EngineState
+
+    assert all(EngineInfoState(s.value) == s.value for s in EngineState)
+    state = EngineInfoState.RUNNING
+    assert (str(state), f"{state}", "%s" % state, json.dumps(state)) == ("running", "running", "running", '"running"')
+    assert msgspec.json.encode({"state": state}) == b'{"state":"running"}' and state == "running"

@@ -35,13 +35,13 @@ def test_ready_carries_the_final_figure(tiny_moe):
 
 
 def test_frontend_uses_the_engines_figure(tiny_moe):
-    from planaria.engine.client import EngineInfo
+    from planaria.engine.client import EngineInfo, EngineInfoState
     from planaria.frontend.server import create_server
 
-    engines = [EngineInfo(index=0, state="running", max_model_len=128),
-               EngineInfo(index=1, state="running", max_model_len=96)]
+    engines = [EngineInfo(index=0, state=EngineInfoState.RUNNING, max_model_len=128),
+               EngineInfo(index=1, state=EngineInfoState.RUNNING, max_model_len=96)]
     client = SimpleNamespace(engines=engines)
     server = create_server(client, tiny_moe, max_model_len=1024)
     assert server.serving.max_model_len == 96  # the smallest healthy engine's
-    engines[1].state = "dead"
+    engines[1].state = EngineInfoState.DEAD
     assert server.serving.max_model_len == 128

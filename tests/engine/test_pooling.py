@@ -110,6 +110,42 @@ def test_pooling_core_is_chosen_and_warns(model_dir, capsys):
     assert "Chunked prefill is not supported for pooling models; disabling" in capsys.readouterr().out
 
 
+def test_pooling_core_is_an_engine_core(llm):
+    """The parts of EngineCoreProtocol an engine process uses, for real: eager aborts,
+    injected faults and their recovery, stats."""
+    from planaria.engine.errors import RequestExecutionError
+    from planaria.engine.messages import EngineCoreRequest
+    from planaria.engine.sampling_params import SamplingParams
+
+    core = llm.core
+    ids = llm.tokenizer.encode(SENTENCES[0])
+
+    def add(rid: str) -> None:
+        core.add_request(EngineCoreRequest(request_id=rid, prompt_token_ids=ids,
+                                           sampling_params=SamplingParams(max_tokens=1)))
+
+    def step() -> dict[str, str]:
+        return {o.request_id: o.finish_reason for o in core.step()[0]}
+
+    assert core.is_pooling and core.take_iteration_details() is None and "weights_s" in core.init_timings
+    add("a"), add("b")
+    assert (core.get_stats().num_running, core.get_stats().num_waiting) == (0, 2)
+    core.queue_aborts(["a", "unknown"])
+    assert step() == {"a": "abort", "b": "stop"} and not core.has_unfinished_requests()
+    add("c")
+    core.inject_step_fault("fatal")
+    with pytest.raises(RuntimeError, match="injected fatal fault"):
+        core.step()
+    core.recover_after_fault()
+    assert step() == {"c": "stop"}  # the failed step left it waiting
+    add("d"), add("e")
+    core.inject_step_fault("request")
+    with pytest.raises(RequestExecutionError) as err:
+        core.step()
+    core.fail_requests(err.value.request_ids, "failed")
+    assert err.value.request_ids == ["d"] and step() == {"d": "error", "e": "stop"}
+
+
 # -- HTTP: frontend + one engine process ---------------------------------------------------
 
 def _free_port() -> int:

@@ -9,8 +9,8 @@ from planaria.engine.errors import WireFormatError
 from planaria.engine.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, Logprobs, SchedulerStats
 from planaria.engine.sampling_params import SamplingParams
 from planaria.engine.wire import (ENGINE_INPUT_TYPES, FRONTEND_INPUT_TYPES, AbortRequests, EngineDead, Hello,
-                         MsgType, UtilityCall, WireDecoder, WireEncoder, engine_identity,
-                         engine_index_of, recover_call_id)
+                         MsgType, UtilityCall, UtilityErrorCode, UtilityResult, WireDecoder, WireEncoder,
+                         engine_identity, engine_index_of, recover_call_id)
 
 
 def _req(n_tokens=5, rid="r1"):
@@ -125,3 +125,33 @@ def test_aux_frames_decode_from_zmq_buffers_to_python_numbers():
     bad = list(add[:2]) + [bytes(add[2])[:-2]]  # not a whole number of int32s
     with pytest.raises(WireFormatError):
         WireDecoder(ENGINE_INPUT_TYPES).decode(bad)
+
+
+def test_utility_result_carries_an_error_code():
+    enc, dec = WireEncoder(), WireDecoder(FRONTEND_INPUT_TYPES)
+    failed = UtilityResult(call_id=3, ok=False, error="EngineStateError: cannot pause in state paused",
+                           code=UtilityErrorCode.BAD_STATE.value, engine_index=1)
+    t, got = dec.decode(_bytes(enc.encode(MsgType.UTILITY_RESULT, failed)))
+    assert t == MsgType.UTILITY_RESULT and got == failed
+    assert UtilityErrorCode.of(got.code) is UtilityErrorCode.BAD_STATE
+    # omit_defaults: a success sends no code at all.
+    ok = _bytes(enc.encode(MsgType.UTILITY_RESULT, UtilityResult(call_id=4, ok=True, result=1)))
+    assert "code" not in msgspec.msgpack.decode(ok[1])
+
+
+@pytest.mark.parametrize("payload,code", [
+    # An engine older than the field: no code, still decodes; read as INTERNAL.
+    ({"call_id": 5, "ok": False, "error": "PermissionError: nope"}, UtilityErrorCode.INTERNAL),
+    # A newer engine's code this side does not know: still decodes; read as INTERNAL.
+    ({"call_id": 5, "ok": False, "error": "x", "code": "quota"}, UtilityErrorCode.INTERNAL),
+    ({"call_id": 5, "ok": False, "error": "x", "code": "conflict"}, UtilityErrorCode.CONFLICT),
+])
+def test_utility_result_code_is_backward_compatible(payload, code):
+    frames = [MsgType.UTILITY_RESULT, msgspec.msgpack.encode(payload)]
+    _, got = WireDecoder(FRONTEND_INPUT_TYPES).decode(frames)
+    assert got.ok is False and UtilityErrorCode.of(got.code) is code
+
+
+def test_utility_error_codes_are_lowercase_wire_strings():
+    assert {c.value for c in UtilityErrorCode} == {"unknown_method", "bad_argument", "bad_state",
+                                                  "conflict", "permission", "internal"}

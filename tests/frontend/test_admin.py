@@ -1,5 +1,6 @@
 """The frontend admin socket's error paths, over a real ipc socket and the blocking client
-the supervisor uses; engines are fakes here (the real path is in test_weights_http.py)."""
+the supervisor uses; engines are fakes here (the real path is in test_weights_http.py).
+An engine's refusal is judged by its code (UtilityCallError.code), never by its text."""
 
 from __future__ import annotations
 
@@ -10,8 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from planaria.daemon.envelope import ErrorCode
-from planaria.daemon.errors import AdminError, UnavailableError
+from planaria.common.admin_client import FrontendAdminClient
+from planaria.common.envelope import ErrorCode
+from planaria.common.errors import AdminError, ConflictError, NotRunningError, to_reply
+from planaria.common.sockets import frontend_admin_socket_path
+from planaria.engine.errors import UtilityCallError
+from planaria.engine.wire import UtilityErrorCode
 from planaria.frontend import admin
 from tests.frontend._fakes import FakeEngineClient, FakeEngineInfo
 
@@ -19,17 +24,19 @@ from tests.frontend._fakes import FakeEngineClient, FakeEngineInfo
 class _UtilityClient(FakeEngineClient):
     """Engines that answer utility calls like engine.proc does (one refuses loads)."""
 
-    def __init__(self) -> None:
+    def __init__(self, refusals: dict[int, UtilityCallError] | None = None) -> None:
         super().__init__()
         self.engines = [FakeEngineInfo(0), FakeEngineInfo(1), FakeEngineInfo(2, state="dead")]
         self.calls: list[tuple[int, str, dict]] = []
+        self.refusals = refusals if refusals is not None else {
+            1: UtilityCallError("WeightLoadError: /new is another architecture", UtilityErrorCode.BAD_ARGUMENT)}
 
     async def call_utility(self, index: int, method: str, args: dict | None = None, timeout_s: float = 30.0):
         self.calls.append((index, method, dict(args or {})))
         if method == "weight_status":
             return {"version": f"v{index}", "model_dir": "/m", "load": None}
-        if index == 1:
-            raise RuntimeError("WeightLoadError: /new is another architecture")
+        if index in self.refusals:
+            raise self.refusals[index]
         return {"load_id": "w1", "state": "reading"}
 
 
@@ -55,8 +62,8 @@ def test_errors_become_codes_and_engines_are_targeted():
     client = _UtilityClient()
 
     def calls(runtime: Path):
-        c = lambda cmd, **a: admin.call(runtime, cmd, a, timeout_s=5)  # noqa: E731
-        assert oct(admin.admin_socket_path(runtime).stat().st_mode & 0o777) == "0o600"
+        c = FrontendAdminClient(runtime, timeout_s=5).call
+        assert oct(frontend_admin_socket_path(runtime).stat().st_mode & 0o777) == "0o600"
         out = {
             "unknown": _code(lambda: c("reboot")),
             "relative": _code(lambda: c("load_weights", model_dir="rel/dir")),
@@ -89,5 +96,32 @@ def test_errors_become_codes_and_engines_are_targeted():
 
 
 def test_no_frontend_is_unavailable(tmp_path):
-    with pytest.raises(UnavailableError, match="does not exist"):
-        admin.call(tmp_path, "weight_status", {}, timeout_s=1)
+    with pytest.raises(NotRunningError, match="the frontend is not running") as info:
+        FrontendAdminClient(tmp_path, timeout_s=1).call("weight_status")
+    assert to_reply("r1", info.value).code is ErrorCode.UNAVAILABLE  # what the CLI then sees
+
+
+_BUSY = "WeightLoadInProgressError: a weight load is already in progress (/old, reading)"
+
+
+@pytest.mark.parametrize("refusals,expected", [
+    # Every engine refused with "conflict": the load is a CONFLICT.
+    ({0: UtilityCallError(_BUSY, UtilityErrorCode.CONFLICT),
+      1: UtilityCallError(_BUSY, UtilityErrorCode.CONFLICT)}, ErrorCode.CONFLICT),
+    # One refused for another reason: BAD_ARGUMENT.
+    ({0: UtilityCallError(_BUSY, UtilityErrorCode.CONFLICT),
+      1: UtilityCallError("WeightLoadError: no config.json", UtilityErrorCode.BAD_ARGUMENT)}, ErrorCode.BAD_ARGUMENT),
+    # The code decides, not the text: an in-progress text with another code is no conflict.
+    ({0: UtilityCallError(_BUSY, UtilityErrorCode.INTERNAL),
+      1: UtilityCallError(_BUSY, UtilityErrorCode.INTERNAL)}, ErrorCode.BAD_ARGUMENT),
+    ({0: asyncio.TimeoutError(), 1: UtilityCallError(_BUSY, UtilityErrorCode.CONFLICT)}, ErrorCode.BAD_ARGUMENT),
+])
+def test_refusals_are_judged_by_code(refusals, expected):
+    engine_admin = admin.EngineAdmin(_UtilityClient(refusals))
+    with pytest.raises(AdminError) as info:
+        asyncio.run(engine_admin.load_weights("/new"))
+    assert info.value.code is expected
+    assert isinstance(info.value, ConflictError) == (expected is ErrorCode.CONFLICT)
+    if expected is ErrorCode.CONFLICT:  # the engines' reason, without the exception's name
+        assert str(info.value) == ("weights from /new not loaded: a weight load is already in "
+                                   "progress (/old, reading)")

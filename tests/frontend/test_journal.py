@@ -13,7 +13,7 @@ from planaria.engine.messages import EngineCoreOutput, EngineCoreRequest
 from planaria.engine.sampling_params import SamplingParams
 from planaria.frontend.errors import ServiceUnavailableError
 from planaria.frontend.generation import Generator
-from planaria.frontend.journal import GiveUp, Replay, RequestJournal, replay_request
+from planaria.frontend.journal import FailRequest, Replay, RequestJournal, replay_request
 from planaria.frontend.metrics import FrontendMetrics
 
 
@@ -85,8 +85,8 @@ def test_replay_limit_and_nothing_left_to_do():
     j = RequestJournal(max_replays=2)
     j.open(ecr("a"))
     assert isinstance(j.decide("a"), Replay) and isinstance(j.decide("a"), Replay)
-    give_up = j.decide("a")
-    assert isinstance(give_up, GiveUp) and give_up.code == "replay_limit" and "3 times" in give_up.reason
+    fail = j.decide("a")
+    assert isinstance(fail, FailRequest) and fail.code == "replay_limit" and "3 times" in fail.reason
     j.open(ecr("b", max_tokens=2))
     j.on_tokens("b", [1, 2])
     assert j.decide("b").code == "request_done"

@@ -204,7 +204,7 @@ def test_admin_bad_inputs_change_nothing(daemon, tmp_path):
 
 def test_unknown_admin_command_is_refused_and_changes_nothing(daemon):
     from planaria.daemon.control import ControlClient
-    from planaria.daemon.errors import UnknownCommandError
+    from planaria.common.errors import UnknownCommandError
 
     before = daemon.status()
     with pytest.raises(UnknownCommandError, match=r"unknown command 'reboot-everything' \(known: .*status"):

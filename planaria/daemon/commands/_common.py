@@ -20,9 +20,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from planaria.daemon.envelope import ErrorCode
-from planaria.daemon.errors import (AdminError, ControlAuthError, ControlProtocolError,
-                           DaemonNotRunningError)
+from planaria.common.envelope import ErrorCode
+from planaria.common.errors import AdminError, AuthRefusedError, MalformedReplyError, NotRunningError
 
 EXIT_OK, EXIT_INTERNAL, EXIT_BAD_ARGUMENT, EXIT_NOT_RUNNING = 0, 1, 2, 3
 EXIT_REFUSED = 8
@@ -106,7 +105,7 @@ def call(args: argparse.Namespace, command: str, **request_args: Any) -> Any:
 
 def fail(name: str, exc: BaseException) -> int:
     """Print why an admin call failed; return its exit code."""
-    if isinstance(exc, DaemonNotRunningError):
+    if isinstance(exc, NotRunningError):
         print(f"planaria {name}: {exc}", file=sys.stderr)
         return EXIT_NOT_RUNNING
     if isinstance(exc, AdminError):
@@ -117,10 +116,10 @@ def fail(name: str, exc: BaseException) -> int:
     if isinstance(exc, AdminKeyError):
         print(f"planaria {name}: {exc}", file=sys.stderr)
         return EXIT_BAD_ARGUMENT
-    if isinstance(exc, ControlAuthError):
+    if isinstance(exc, AuthRefusedError):
         print(f"planaria {name}: {exc}", file=sys.stderr)
         return EXIT_REFUSED
-    if isinstance(exc, ControlProtocolError):
+    if isinstance(exc, MalformedReplyError):
         print(f"planaria {name}: {exc}", file=sys.stderr)
         return EXIT_INTERNAL
     raise exc

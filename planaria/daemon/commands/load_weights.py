@@ -15,7 +15,8 @@ weights or failed (a checkpoint whose tensors do not fit fails there, old weight
 An engine that restarts later starts from the serve --model directory again.
 
 Only the frontend holds the engines' sockets, so the supervisor forwards to the
-frontend's admin socket (frontend/admin.py), which calls each engine. Wire:
+frontend's admin socket (frontend/admin.py; the client is common.admin_client's
+``FrontendAdminClient``), which calls each engine. Wire:
 {"command": "load-weights", "args": {"action": "load", "model_dir": "/abs/dir",
 "policy": "finish_old", "engine_id": null, "version": null}} -> {"engines": {"0":
 {"load_id", "state": "reading", ...}}, "errors": {...}, "skipped": {...}};
@@ -33,8 +34,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from planaria.common.admin_client import FrontendAdminClient
+from planaria.common.errors import BadArgumentError, UnavailableError
 from planaria.daemon.commands._common import EXIT_BAD_ARGUMENT, add_daemon_arguments, call, fail
-from planaria.daemon.errors import BadArgumentError, UnavailableError
 
 NAME = "load-weights"
 HELP = "load new weights into the running engines (rolling weight update)"
@@ -60,9 +62,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def execute(supervisor, args: dict[str, Any]) -> dict[str, Any]:
-    """Daemon half: validate, then forward to the frontend's admin socket (bounded wait)."""
-    from planaria.frontend import admin
-
+    """Daemon half: validate, then forward to the frontend's admin socket (bounded wait); a
+    frontend that is not there or does not answer in time is UNAVAILABLE (``to_reply``)."""
     if supervisor.shutting_down:
         raise UnavailableError("the daemon is shutting down")
     action = args.get("action", "load")
@@ -71,9 +72,9 @@ def execute(supervisor, args: dict[str, Any]) -> dict[str, Any]:
         supervisor.engine(engine_id)  # BAD_ARGUMENT / UNKNOWN_ENGINE
     if supervisor.frontend.child is None:
         raise UnavailableError(f"the frontend is not running ({supervisor.frontend.state.value})")
-    runtime_dir = supervisor.config.runtime_dir
+    frontend = FrontendAdminClient(supervisor.config.runtime_dir, FRONTEND_TIMEOUT_S)
     if action == "status":
-        return admin.call(runtime_dir, "weight_status", {"engine_id": engine_id}, FRONTEND_TIMEOUT_S)
+        return frontend.call("weight_status", engine_id=engine_id)
     if action != "load":
         raise BadArgumentError(f"action must be 'load' or 'status', got {action!r}")
     model_dir, policy = args.get("model_dir"), args.get("policy", "finish_old")
@@ -84,9 +85,8 @@ def execute(supervisor, args: dict[str, Any]) -> dict[str, Any]:
     if policy not in POLICIES:
         raise BadArgumentError(f"policy must be one of {', '.join(POLICIES)}, got {policy!r}")
     supervisor.log.info("weight load requested", model_dir=model_dir, policy=policy, engine_id=engine_id)
-    return admin.call(runtime_dir, "load_weights",
-                      {"model_dir": model_dir, "mode": policy, "engine_id": engine_id,
-                       "version": args.get("version")}, FRONTEND_TIMEOUT_S)
+    return frontend.call("load_weights", model_dir=model_dir, mode=policy, engine_id=engine_id,
+                         version=args.get("version"))
 
 
 def _print_status(engines: dict[str, dict]) -> None:

@@ -17,9 +17,9 @@ from collections import deque
 from pathlib import Path
 from typing import Any
 
+from planaria.common.errors import NotRunningError, UnknownEngineError
 from planaria.daemon.commands._common import (EXIT_BAD_ARGUMENT, add_daemon_arguments, call, fail,
                                      state_dir)
-from planaria.daemon.errors import DaemonNotRunningError, UnknownEngineError
 
 NAME = "logs"
 HELP = "show the frontend's and engines' output (-n N lines, --follow)"
@@ -84,7 +84,7 @@ def main(args: argparse.Namespace) -> int:
         return EXIT_BAD_ARGUMENT
     try:
         files = call(args, NAME)["files"]
-    except DaemonNotRunningError:
+    except NotRunningError:
         logs = state_dir(args) / "logs"
         ids = sorted(int(p.stem.split("-", 1)[1]) for p in logs.glob("engine-*.log")
                      if p.stem.split("-", 1)[1].isdigit())

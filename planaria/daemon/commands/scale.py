@@ -35,8 +35,8 @@ import sys
 import time
 from typing import Any
 
+from planaria.common.errors import BadArgumentError
 from planaria.daemon.commands._common import EXIT_BAD_ARGUMENT, add_daemon_arguments, call, fail
-from planaria.daemon.errors import BadArgumentError
 
 NAME = "scale"
 HELP = "add or remove engine replicas: scale up|down [--by N], scale to N"

@@ -48,7 +48,7 @@ def main(args: argparse.Namespace) -> int:
     import zmq
 
     from planaria.daemon import config as config_mod
-    from planaria.daemon import logging as plog
+    from planaria.common import logging as plog
     from planaria.daemon.admin_keys import AdminKeyError
     from planaria.daemon.children import PopenSpawner
     from planaria.daemon.commands._common import admin_modules

@@ -12,7 +12,8 @@ import os
 from typing import Any
 
 from planaria.daemon.commands._common import add_daemon_arguments, call
-from planaria.daemon.errors import DaemonError, DaemonNotRunningError
+from planaria.common.errors import CommonError, NotRunningError
+from planaria.daemon.errors import DaemonError
 
 NAME = "version"
 HELP = "print the CLI's and the running daemon's version"
@@ -41,10 +42,10 @@ def main(args: argparse.Namespace) -> int:
     print(f"planaria {version()}")
     try:
         data = call(args, NAME)
-    except DaemonNotRunningError:
+    except NotRunningError:
         print("daemon: not running")
         return 0
-    except DaemonError as exc:  # a bad key file, or refused keys: say so
+    except (DaemonError, CommonError) as exc:  # a bad key file, refused keys, an Err: say so
         print(f"daemon: unknown ({exc})")
         return 0
     print(f"daemon: planaria {data['version']} (pid {data['pid']})")

@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import queue
 import time
-from collections import deque
 from pathlib import Path
 
 import structlog
 import torch
 
 from planaria.engine.config import EngineConfig
-from planaria.engine.errors import InvalidRequestError, UnsupportedModelError, WeightLoadError
+from planaria.engine.errors import (InvalidRequestError, RequestExecutionError, UnsupportedModelError,
+                                    WeightLoadError)
 from planaria.engine.messages import EngineCoreOutput, EngineCoreRequest, SchedulerStats
 from planaria.engine.model_runner import resolve_dtype
 from planaria.engine.models.loader import model_fingerprint
@@ -25,24 +25,6 @@ from planaria.engine.pooling.loader import is_bert_config, load_bert, read_json
 from planaria.kernels.pooling import POOLERS, l2_normalize
 
 log = structlog.get_logger("planaria.engine.pooling")
-
-
-class _Queue:
-    """The scheduler-shaped view the engine process reads (heartbeat, stats)."""
-
-    num_running = 0
-
-    def __init__(self) -> None:
-        self.waiting: deque[EngineCoreRequest] = deque()
-
-    @property
-    def num_waiting(self) -> int:
-        return len(self.waiting)
-
-
-class _NoKV:
-    usage = 0.0
-    prefix_cache_hit_rate = 0.0
 
 
 def is_pooling_model(config: EngineConfig) -> bool:
@@ -53,6 +35,11 @@ def is_pooling_model(config: EngineConfig) -> bool:
 
 
 class PoolingEngineCore:
+    """Embeddings: implements engine.core_protocol.EngineCoreProtocol (no KV cache: zero
+    blocks, kv_source "none"; nothing is ever running between steps, only waiting)."""
+
+    is_pooling = True
+
     def __init__(self, config: EngineConfig, expert_range=None, progress=None) -> None:
         config.validate()
         if expert_range is not None:
@@ -64,18 +51,20 @@ class PoolingEngineCore:
         self.dtype = resolve_dtype(config, self.device)
         t0 = time.monotonic()
         self.model, self.spec, self.pooling, self.weights_bytes = load_bert(config.model, self.dtype, self.device)
-        log.info("pooling model loaded", load_s=round(time.monotonic() - t0, 3), pooling=self.pooling.mode,
-                 normalize=self.pooling.normalize)
+        self.init_timings = {"weights_s": time.monotonic() - t0}
+        log.info("pooling model loaded", load_s=round(self.init_timings["weights_s"], 3),
+                 pooling=self.pooling.mode, normalize=self.pooling.normalize)
         limit = self.pooling.max_seq_length or self.spec.max_position_embeddings
         self.max_model_len = min(config.max_model_len or limit, self.spec.max_position_embeddings)
         self.vocab_size = self.spec.vocab_size
         self.model_fingerprint = model_fingerprint(config.model)
         self.weight_version = self.model_fingerprint
         self.num_kv_blocks, self.kv_cache_bytes, self.kv_source, self.profile = 0, 0, "none", None
-        self.aborts_queue: queue.Queue[list[str]] = queue.Queue()
-        self.scheduler, self.kv = _Queue(), _NoKV()
-        self.waiting = self.scheduler.waiting
+        # Aborts from another thread (queue_aborts), applied at the start of the next step.
+        self.aborts_queue: queue.Queue[list[EngineCoreRequest]] = queue.Queue()
+        self.waiting: dict[str, EngineCoreRequest] = {}  # request id -> request, in arrival order
         self._pending_outputs: list[EngineCoreOutput] = []
+        self._fault_next_step: str | None = None  # fault injection (inject_step_fault)
         self.step_counter = 0
         self.num_embedded = 0
 
@@ -94,25 +83,31 @@ class PoolingEngineCore:
         try:
             if not isinstance(ecr.request_id, str) or not ecr.request_id:
                 raise InvalidRequestError("request_id must be a non-empty string")
-            if any(r.request_id == ecr.request_id for r in self.waiting):
+            if ecr.request_id in self.waiting:
                 raise InvalidRequestError(f"request id {ecr.request_id!r} is already in use")
             self.check_prompt(ecr.prompt_token_ids)
         except InvalidRequestError as exc:
             self._pending_outputs.append(self._out(str(getattr(ecr, "request_id", "")), "error", error=str(exc)))
             return
-        self.waiting.append(ecr)
+        self.waiting[ecr.request_id] = ecr
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self._drop(request_ids, "abort", None)
+
+    def queue_aborts(self, request_ids: list[str]) -> None:
+        """Thread-safe: resolved to the live requests now (dict reads), applied at the start
+        of the next step only to those same requests (never to a later one reusing an id)."""
+        reqs = [r for r in map(self.waiting.get, request_ids) if r is not None]
+        if reqs:
+            self.aborts_queue.put(reqs)
 
     def fail_requests(self, request_ids: list[str], error: str) -> None:
         self._drop(request_ids, "error", error)
 
     def _drop(self, request_ids, reason: str, error: str | None) -> None:
-        ids = set(request_ids)
-        for r in [r for r in self.waiting if r.request_id in ids]:
-            self.waiting.remove(r)
-            self._pending_outputs.append(self._out(r.request_id, reason, error=error))
+        for rid in dict.fromkeys(request_ids):
+            if self.waiting.pop(rid, None) is not None:
+                self._pending_outputs.append(self._out(rid, reason, error=error))
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting) or bool(self._pending_outputs)
@@ -126,16 +121,21 @@ class PoolingEngineCore:
         if not self.waiting:
             return outputs, False
         batch, num_tokens = [], 0
-        for r in self.waiting:
+        for r in self.waiting.values():
             n = len(r.prompt_token_ids)
             if batch and (len(batch) == self.config.max_num_seqs
                           or num_tokens + n > self.config.max_num_batched_tokens):
                 break
             batch.append(r)
             num_tokens += n
+        fault, self._fault_next_step = self._fault_next_step, None
+        if fault == "fatal":
+            raise RuntimeError("injected fatal fault")
         vectors = self.embed([r.prompt_token_ids for r in batch])  # a failure leaves them waiting
-        for _ in batch:
-            self.waiting.popleft()
+        if fault == "request":
+            raise RequestExecutionError([batch[0].request_id], "injected request fault")
+        for r in batch:
+            del self.waiting[r.request_id]
         self.step_counter += 1
         self.num_embedded += len(batch)
         for r, v in zip(batch, vectors.tolist()):
@@ -143,6 +143,14 @@ class PoolingEngineCore:
         return outputs, True
 
     step_with_batch_queue = step
+
+    def inject_step_fault(self, kind: str) -> None:
+        """Chaos tests: the next step raises before its forward ("fatal"), or fails its
+        first request after it ("request")."""
+        self._fault_next_step = kind
+
+    def recover_after_fault(self) -> None:
+        """Nothing is in flight between steps: a failed step's requests are still waiting."""
 
     def embed(self, batch: list[list[int]]) -> torch.Tensor:
         """Pooled (and, per the model's config, normalised) vectors [B, H], float32 on CPU."""
@@ -167,14 +175,18 @@ class PoolingEngineCore:
     def _process_aborts_queue(self) -> None:
         while True:
             try:
-                ids = self.aborts_queue.get_nowait()
+                reqs = self.aborts_queue.get_nowait()
             except queue.Empty:
                 return
-            self.abort_requests(ids)
+            self.abort_requests([r.request_id for r in reqs if self.waiting.get(r.request_id) is r])
 
     # -- introspection (EngineCore's) -------------------------------------------------------
     def get_stats(self) -> SchedulerStats:
         return SchedulerStats(num_running=0, num_waiting=len(self.waiting))
+
+    def take_iteration_details(self) -> list | None:
+        """Embedding steps keep no step records."""
+        return None
 
     def config_hash(self) -> str:
         return self.config.hash() + self.model_fingerprint[:8]
@@ -192,10 +204,7 @@ class PoolingEngineCore:
         return {"version": self.weight_version, "model_dir": self.config.model, "load": None}
 
     def reset_prefix_cache(self) -> bool:
-        return True
-
-    def recover_after_fault(self) -> None:
-        """Nothing is in flight between steps: a failed step's requests are still waiting."""
+        return True  # no KV cache, so no prefix cache: nothing to empty
 
     def shutdown(self) -> None:
         self.waiting.clear()

@@ -9,7 +9,7 @@ import logging
 import pytest
 import structlog
 
-from planaria.daemon import logging as plog
+from planaria.common import logging as plog
 
 
 @pytest.fixture

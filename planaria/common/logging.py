@@ -11,10 +11,10 @@ the stream is not a terminal or when systemd runs us (``$JOURNAL_STREAM`` or
 level. Records from stdlib loggers (``logging.getLogger(__name__)``, libraries) go
 through the same processors, so the output has one format.
 
-Note: this module is ``daemon.logging``; it imports the standard library's ``logging``
-by absolute import. Do not run files inside ``daemon/`` as scripts (``python
-daemon/x.py``), which would put this file first on ``sys.path`` as ``logging``; use
-``python -m planaria.daemon.x`` or the ``planaria`` entry point.
+Note: this module is ``planaria.common.logging``; it imports the standard library's
+``logging`` by absolute import. Do not run files inside ``common/`` as scripts (``python
+common/x.py``), which would put this file first on ``sys.path`` as ``logging``; use
+``python -m planaria.common.x``.
 """
 
 from __future__ import annotations

@@ -1,12 +1,14 @@
 """The admin protocol's envelope: one request shape, one reply envelope, error codes.
 
-Wire form (msgspec msgpack, one frame per message, a ``type`` tag in each)::
+Spoken on the daemon's control socket (daemon/control.py) and on a frontend's admin socket
+(frontend/admin.py). Wire form (msgspec msgpack, one frame per message, a ``type`` tag in
+each)::
 
     {"type": "request", "id": "4f2a...", "command": "scale", "args": {"engines": 4}}
     {"type": "ok",  "id": "4f2a...", "data": {...}}
     {"type": "err", "id": "4f2a...", "code": "UNKNOWN_ENGINE", "reason": "no engine 7"}
 
-Exceptions become ``Err`` replies in exactly one place, ``daemon.errors.to_reply``.
+Exceptions become ``Err`` replies in exactly one place, ``common.errors.to_reply``.
 Unknown fields are ignored on decode, so adding an optional field stays compatible.
 """
 

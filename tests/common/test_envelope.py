@@ -5,9 +5,9 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from planaria.daemon import errors
-from planaria.daemon.envelope import (AdminRequest, Err, ErrorCode, Ok, decode_reply, decode_request,
-                             encode)
+from planaria.common import errors
+from planaria.common.envelope import (AdminRequest, Err, ErrorCode, Ok, decode_reply, decode_request,
+                                      encode)
 
 
 def test_request_round_trip():
@@ -75,6 +75,15 @@ def test_validation_error_is_bad_argument():
     assert "engines" in err.reason
 
 
+@pytest.mark.parametrize("exc", [
+    errors.NotRunningError("the frontend is not running (no admin socket at /r/fe0-admin)"),
+    errors.MalformedReplyError("unexpected reply framing from /r/fe0-admin"),
+])
+def test_a_peer_socket_that_does_not_answer_is_unavailable(exc):
+    # The daemon forwards to a frontend's admin socket; it not being there is UNAVAILABLE.
+    assert errors.to_reply("r1", exc) == Err("r1", ErrorCode.UNAVAILABLE, str(exc))
+
+
 def test_other_exceptions_are_internal():
     err = errors.to_reply("r1", KeyError("engine"))
     assert err.code is ErrorCode.INTERNAL
@@ -85,4 +94,4 @@ def test_str_is_the_reason():
     exc = errors.UnknownEngineError("no engine 7")
     assert str(exc) == "no engine 7"
     assert "UNKNOWN_ENGINE" in repr(exc)
-    assert isinstance(exc, errors.DaemonError)
+    assert isinstance(exc, errors.CommonError)
