@@ -1,5 +1,6 @@
 """One import namespace: everything of ours is `planaria.*`, and the generic names others
 ship (Hugging Face's `kernels`, which transformers imports) work beside it in one venv."""
+import ast
 import importlib.metadata
 import json
 import subprocess
@@ -41,10 +42,17 @@ def test_hf_kernels_imports_and_works_beside_planaria():
 def test_no_top_level_package_but_planaria():
     pkgs = {p.name for p in REPO.iterdir() if (p / "__init__.py").is_file()}
     assert pkgs <= TOP_LEVEL_DIRS_ALLOWED, pkgs - TOP_LEVEL_DIRS_ALLOWED
-    # What the installed distribution maps as importable top-level names.
-    dist = importlib.metadata.distribution("planaria")
-    tops = {f.parts[0] for f in dist.files or () if f.suffix == ".py" and len(f.parts) > 1
-            and not f.parts[0].endswith((".dist-info", ".egg-info"))}
-    assert tops <= {"planaria"}, tops
+    # What the installed distribution maps as importable top-level names (the dist-info,
+    # not the egg-info that an editable build leaves in the checkout).
+    (dist,) = [d for d in importlib.metadata.distributions(name="planaria") if d.read_text("RECORD")]
+    tops = set()
+    for f in dist.files or ():
+        if f.name.startswith("__editable__") and f.suffix == ".py":  # an editable install's finder
+            text = f.read_text()
+            mapping = ast.literal_eval(text.split("MAPPING: dict[str, str] = ", 1)[1].split("\n", 1)[0])
+            tops |= set(mapping)
+        elif f.suffix == ".py" and len(f.parts) > 1 and not f.parts[0].endswith(".dist-info"):
+            tops.add(f.parts[0])
+    assert tops == {"planaria"}, tops
     (script,) = tuple(dist.entry_points.select(group="console_scripts", name="planaria"))
     assert script.value == "planaria.daemon.cli:main"

@@ -33,12 +33,15 @@ import structlog
 from planaria.elastic.controller import EPController
 from planaria.elastic.election import LeaderElection
 from planaria.elastic.ep import host_store
-from planaria.elastic.errors import ElasticError
+from planaria.elastic.errors import ElasticError, EtcdUnavailableError
 from planaria.elastic.keys import NodeInfo
 from planaria.elastic.membership import Membership
 
 log = structlog.get_logger("planaria.elastic.cluster")
 MIN_TICK_S = 0.005
+# A node's first etcd write waits this long for etcd to answer: an embedded etcd that has
+# just said healthy over HTTP can still time out a first gRPC connection on a loaded host.
+START_ETCD_WAIT_S = 20.0
 
 
 class ProcessLauncher:
@@ -216,11 +219,23 @@ class EPNode:
         self._wake = threading.Event()  # set on any change under the cluster's prefix
         self._thread = threading.Thread(target=self._run, name="ep-controller", daemon=True)
 
-    def start(self) -> "EPNode":
+    def start(self, etcd_wait_s: float = START_ETCD_WAIT_S) -> "EPNode":
+        """Lease, node record, election and controller; raises EtcdUnavailableError when
+        etcd does not take the node record within ``etcd_wait_s``."""
         self.membership.start()
         self.started_at = time.time()
-        self.membership.register_node(NodeInfo(node_id=self.node_id, host=self.host, addresses=self.addresses,
-                                               capacity=self.capacity, started_at=self.started_at))
+        info = NodeInfo(node_id=self.node_id, host=self.host, addresses=self.addresses,
+                        capacity=self.capacity, started_at=self.started_at)
+        deadline = time.monotonic() + etcd_wait_s
+        while True:
+            try:
+                self.membership.register_node(info)
+                break
+            except EtcdUnavailableError as exc:
+                if time.monotonic() >= deadline:
+                    raise
+                log.warning("etcd not answering yet; retrying the node record", error=str(exc))
+                time.sleep(0.5)
         self._store = host_store(self.rendezvous)  # serves the groups this node leads
         self.election.start()
         self._thread.start()
