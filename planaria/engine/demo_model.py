@@ -209,7 +209,7 @@ def load_demo_tokenizer(vocab_size: int = VOCAB_SIZE, progress: Progress = _quie
     )
 
 
-def _check_target(path: Path, overwrite: bool) -> None:
+def check_target(path: Path, overwrite: bool) -> None:
     if path.exists() and not path.is_dir():
         raise FileExistsError(f"{path} exists and is not a directory")
     if path.is_dir() and any(path.iterdir()):
@@ -242,7 +242,7 @@ def build_demo_model(
     if dtype not in DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; choose from {', '.join(DTYPES)}")
     path = Path(path)
-    _check_target(path, overwrite)
+    check_target(path, overwrite)
 
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
