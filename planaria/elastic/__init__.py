@@ -12,3 +12,16 @@
 - ``planner``      plan_epoch, expert_map, moves: pure "decide" logic for the leader
 - ``errors``       the error tree (EtcdUnavailableError, StaleLeaderError, ...)
 """
+
+import os as _os
+
+# gRPC's fork support (pthread_atfork handlers) must be off in every Planaria process:
+# the supervisor forks children (subprocess with preexec_fn) while its etcd client's gRPC
+# threads run, and with fork support on, gRPC's handler restarted its event-engine
+# threads inside the forked child, where close_fds then closed their epoll fd before exec:
+# "epoll_wait error: Bad file descriptor", SIGABRT, and a dead engine at start (plus
+# "Other threads are currently calling into gRPC, skipping fork() handlers" at every
+# fork). No Planaria process uses gRPC in a forked child without exec, so it is forced
+# off (an inherited GRPC_ENABLE_FORK_SUPPORT=1 would bring the crash back). Set before any
+# module of this package imports grpc (read once, at grpc's import).
+_os.environ["GRPC_ENABLE_FORK_SUPPORT"] = "false"
