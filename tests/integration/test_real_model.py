@@ -33,7 +33,11 @@ STREAM_TOKENS = 48
 @pytest.fixture(scope="module")
 def daemon(real_models, tmp_path_factory):
     d = Daemon(real_models("smollm2-moe"), tmp_path_factory.mktemp("serve-real"),
-               extra_args=("--parallel", "ep", "--engine-config-json", json.dumps(ENGINE_CONFIG)))
+               extra_args=("--parallel", "ep", "--engine-config-json", json.dumps(ENGINE_CONFIG),
+                           # the shared daemon's 3 s is for tiny-moe: the first JSON-schema
+                           # request builds llguidance's view of a 49k-token vocabulary on a
+                           # thread that holds the GIL for seconds on a loaded 2-core host
+                           "--hang-timeout-s", "30"))
     try:
         d.wait(lambda s: _group(s, 2), 300, "EP group of 2")
         yield d
