@@ -117,7 +117,7 @@ def test_notify_unit_under_real_systemd(tmp_path):
     (unit_dir / "silent-probe.service").write_text(
         PROBE_UNIT.format(python=python, args="--no-watchdog"))
 
-    with NspawnSystem(unit_dir, binds_ro=[(REPO / "daemon", REPO / "daemon")]) as system:
+    with NspawnSystem(unit_dir, binds_ro=[(REPO / "planaria", REPO / "planaria")]) as system:
         print(f"container booted in {system.boot_s:.2f}s")
         started = time.monotonic()
         result = system.systemctl("start", "notify-probe.service", "silent-probe.service",
