@@ -7,6 +7,8 @@ handshake/utility messages.
 
 from __future__ import annotations
 
+import enum
+
 import msgspec
 
 from planaria.engine.sampling_params import SamplingParams
@@ -38,6 +40,21 @@ class Logprobs(msgspec.Struct, array_like=True):
     sampled_rank: int
 
 
+class OutputErrorCode(str, enum.Enum):
+    """Why the engine finished a request with an error (``EngineCoreOutput.error_code``)."""
+
+    INVALID_REQUEST = "invalid_request"  # the request itself is at fault (HTTP 400)
+    OVERLOADED = "overloaded"            # the engine's waiting queue is full (HTTP 429)
+    INTERNAL = "internal"                # preparing or running it failed (HTTP 500)
+
+    @classmethod
+    def of(cls, value: str | None) -> "OutputErrorCode":
+        try:
+            return cls(value)
+        except ValueError:
+            return cls.INTERNAL
+
+
 class EngineCoreOutput(msgspec.Struct, kw_only=True, omit_defaults=True):
     request_id: str
     new_token_ids: list[int] = []
@@ -46,6 +63,9 @@ class EngineCoreOutput(msgspec.Struct, kw_only=True, omit_defaults=True):
     new_logprobs: list[Logprobs] | None = None
     num_cached_tokens: int = 0
     error: str | None = None  # set with finish_reason == "error"
+    # With finish_reason == "error": why, for the frontend's status code (ErrorCode below);
+    # absent from older engines: read it with OutputErrorCode.of.
+    error_code: str | None = None
     weight_version: str | None = None
     pooled: list[float] | None = None  # pooling runner: the request's embedding
 
