@@ -3,6 +3,10 @@
 A msgspec struct so the same object travels on the wire (engine/messages.py) without
 pickle. ``validate`` is the one place a request's parameters are checked; a bad value
 raises ``InvalidRequestError`` for that request only.
+
+``stop_token_ids`` is a frozenset (the scheduler tests every sampled token against it);
+on the wire it is an array as before, and a list given to the constructor is converted
+once, in ``__post_init__``.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     min_p: float = 0.0
     seed: int | None = None
     stop: list[str] = []
-    stop_token_ids: list[int] = []
+    stop_token_ids: frozenset[int] = frozenset()
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top logprobs to return per token
     repetition_penalty: float = 1.0
@@ -32,6 +36,13 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     frequency_penalty: float = 0.0
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.stop_token_ids, frozenset):
+            try:
+                self.stop_token_ids = frozenset(self.stop_token_ids)
+            except TypeError:
+                pass  # not a collection of hashables: validate() names it
 
     @property
     def greedy(self) -> bool:
@@ -93,7 +104,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
                 bad(f"logprobs must be an integer in [0, {max_logprobs}], got {self.logprobs!r}")
         if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
             bad("stop must be a list of non-empty strings")
-        if not isinstance(self.stop_token_ids, list) or not all(is_int(t) for t in self.stop_token_ids):
+        if not isinstance(self.stop_token_ids, frozenset) or not all(is_int(t) for t in self.stop_token_ids):
             bad("stop_token_ids must be a list of integers")
         if vocab_size is not None:
             for t in self.stop_token_ids:

@@ -13,6 +13,11 @@ stream has no gap and no repeat. When no engine is running, a replay waits up to
 limit, or with no engine back in time, the request ends with a 503 (an SSE error event
 once streaming). A new request that finds no running engine still gets 503 at once.
 
+An engine that finishes a request with an error says why (``EngineCoreOutput.error_code``,
+``engine_error``): ``invalid_request`` is a 400, ``overloaded`` a 429 with Retry-After,
+``internal`` a 500. An older engine sends no code: then an error before any token is a
+400 (the request was refused) and one after tokens a 500.
+
 Leaving the iteration early (client disconnect, stop string) closes the engine stream,
 which aborts the request in the engine (``EngineClient.generate``'s contract).
 """
@@ -27,9 +32,10 @@ from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable
 
 from planaria.engine.errors import EngineFaultError, EngineHandshakeError, NoEngineAvailableError
-from planaria.engine.messages import EngineCoreOutput, EngineCoreRequest, Logprobs
+from planaria.engine.messages import EngineCoreOutput, EngineCoreRequest, Logprobs, OutputErrorCode
 from planaria.engine.sampling_params import SamplingParams
-from planaria.frontend.errors import EngineRequestError, FrontendError, RequestError, ServiceUnavailableError
+from planaria.frontend.errors import (EngineRequestError, FrontendError, RequestError, ServiceUnavailableError,
+                                      TooManyRequestsError)
 from planaria.frontend.journal import FailRequest, RequestJournal
 
 log = logging.getLogger(__name__)
@@ -160,9 +166,7 @@ class Generator:
             async for out in outs:
                 if out.finish_reason == "error":
                     self._error("engine_error")
-                    if num_output == 0:  # refused before generating: the request was at fault
-                        raise RequestError(out.error or "the engine rejected the request")
-                    raise EngineRequestError(out.error or "the engine failed the request")
+                    raise engine_error(out, num_output)
                 self._time_tokens(timing, len(out.new_token_ids))
                 num_output += len(out.new_token_ids)
                 stop_str = detok.update(out.new_token_ids) if out.new_token_ids else None
@@ -205,6 +209,20 @@ class Generator:
     def _error(self, kind: str) -> None:
         if self._metrics is not None:
             self._metrics.record_error(kind)
+
+
+def engine_error(out: EngineCoreOutput, num_output_tokens: int, param: str | None = None) -> FrontendError:
+    """The frontend error for an output with ``finish_reason == "error"``."""
+    if out.error_code is None:  # an engine from before error codes
+        if num_output_tokens == 0:  # refused before generating: the request was at fault
+            return RequestError(out.error or "the engine rejected the request", param=param)
+        return EngineRequestError(out.error or "the engine failed the request")
+    code = OutputErrorCode.of(out.error_code)
+    if code is OutputErrorCode.INVALID_REQUEST:
+        return RequestError(out.error or "the engine rejected the request", param=param)
+    if code is OutputErrorCode.OVERLOADED:
+        return TooManyRequestsError(f"the engine is overloaded: {out.error or 'its queue is full'}; retry later")
+    return EngineRequestError(out.error or "the engine failed the request", code="engine_error")
 
 
 def _flush(detok) -> str:

@@ -10,6 +10,15 @@ HTTP serves at once: /health is 200 from the start, /ready turns 200 when an eng
 running. SIGTERM or SIGINT: /ready goes 503, the listening socket closes, in-flight
 requests get ``--drain-timeout-s`` to finish, then the rest are cancelled (which aborts
 them in the engines) and the process exits 0.
+
+Limits and protection (defaults in brackets; docs/http_api.md has the whole list):
+``--max-body-bytes`` [4 MiB], ``--body-read-timeout-s`` [30], ``--keep-alive-timeout-s``
+[5], ``--max-connections`` [1024], ``--max-inflight-requests`` [4 x max_num_seqs x
+engines], ``--request-timeout-s`` [600], ``--render-timeout-s`` [20] and
+``--render-threads`` [4]. ``--api-key`` (better: the environment variable
+``PLANARIA_API_KEY``, which ``planaria serve`` uses, so the key is not in ``ps``) makes
+every /v1/* route need ``Authorization: Bearer <key>``; ``--api-key-protects-metrics``
+extends that to /metrics and /ready. /health is always open.
 """
 
 from __future__ import annotations
@@ -17,6 +26,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 import subprocess
 import sys
@@ -24,7 +34,15 @@ import sys
 import msgspec
 from aiohttp import web
 
+from planaria.frontend.limits import ServerLimits
+
 log = logging.getLogger("frontend")
+
+API_KEY_ENV = "PLANARIA_API_KEY"
+# The default in-flight bound: this many requests per engine batch slot. An engine lets
+# max_num_seqs run and 4 x max_num_seqs wait (EngineConfig.max_num_waiting), so the
+# frontend answers 429 itself before its engines must.
+INFLIGHT_PER_SEQ = 4
 
 
 def parse_http(value: str) -> tuple[str, int]:
@@ -51,7 +69,53 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ready-timeout-s", type=float, default=600.0)
     p.add_argument("--drain-timeout-s", type=float, default=30.0)
     p.add_argument("--log-level", default="INFO")
+    d = ServerLimits()
+    p.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes,
+                   help=f"largest request body; more is a 413 (default {d.max_body_bytes})")
+    p.add_argument("--body-read-timeout-s", type=float, default=d.body_read_timeout_s,
+                   help=f"a body not read in full this long is a 408 (default {d.body_read_timeout_s:g})")
+    p.add_argument("--keep-alive-timeout-s", type=float, default=d.keep_alive_timeout_s,
+                   help=f"an idle keep-alive connection is closed after this long (default {d.keep_alive_timeout_s:g})")
+    p.add_argument("--max-connections", type=int, default=d.max_connections,
+                   help=f"open connections beyond this get a 503 and are closed (default {d.max_connections})")
+    p.add_argument("--max-inflight-requests", type=int, default=0,
+                   help=f"generation requests in flight beyond this get a 429 with Retry-After "
+                        f"(default 0: {INFLIGHT_PER_SEQ} x the engines' max_num_seqs x --engines)")
+    p.add_argument("--request-timeout-s", type=float, default=d.request_timeout_s,
+                   help=f"a request running longer is aborted: 504, or an SSE error event "
+                        f"(default {d.request_timeout_s:g})")
+    p.add_argument("--render-timeout-s", type=float, default=d.render_timeout_s,
+                   help=f"time limit of chat-template rendering and tokenizing, queueing included; "
+                        f"503 render_timeout past it (default {d.render_timeout_s:g})")
+    p.add_argument("--render-threads", type=int, default=d.render_threads,
+                   help=f"threads rendering and tokenizing prompts (default {d.render_threads})")
+    p.add_argument("--api-key", default=None,
+                   help=f"require 'Authorization: Bearer KEY' on /v1/* (default: ${API_KEY_ENV}; "
+                        "prefer the variable: a flag shows in ps)")
+    p.add_argument("--api-key-protects-metrics", action="store_true",
+                   help="with an API key: /metrics and /ready need it too (default: they are open)")
     return p
+
+
+def server_limits(args: argparse.Namespace, environ=os.environ) -> ServerLimits:
+    inflight = args.max_inflight_requests
+    if inflight <= 0:
+        engine_config = msgspec.json.decode(args.engine_config_json)
+        max_num_seqs = engine_config.get("max_num_seqs") or _default_max_num_seqs()
+        inflight = INFLIGHT_PER_SEQ * max_num_seqs * max(1, args.engines)
+    return ServerLimits(
+        max_body_bytes=args.max_body_bytes, body_read_timeout_s=args.body_read_timeout_s,
+        keep_alive_timeout_s=args.keep_alive_timeout_s, max_connections=args.max_connections,
+        max_inflight_requests=inflight, request_timeout_s=args.request_timeout_s,
+        render_timeout_s=args.render_timeout_s, render_threads=args.render_threads,
+        api_key=args.api_key or environ.get(API_KEY_ENV) or None,
+        api_key_protects_metrics=args.api_key_protects_metrics)
+
+
+def _default_max_num_seqs() -> int:
+    from planaria.engine.config import EngineConfig
+
+    return EngineConfig(model="").max_num_seqs
 
 
 def _spawn_engines(num_engines: int, input_address: str, config: dict) -> list[subprocess.Popen]:
@@ -74,6 +138,7 @@ def _stop_procs(procs: list[subprocess.Popen], timeout_s: float) -> None:
 
 async def serve(args: argparse.Namespace) -> int:
     from planaria.engine.client import EngineClient
+    from planaria.frontend.http_guard import CappedTCPSite
     from planaria.frontend.server import create_server
 
     engine_config = {"model": args.model, **msgspec.json.decode(args.engine_config_json)}
@@ -81,7 +146,9 @@ async def serve(args: argparse.Namespace) -> int:
         engine_config["max_model_len"] = args.max_model_len
     client = EngineClient(args.engines, args.runtime_dir, client_index=args.client_index,
                           engine_config=engine_config)
-    server = create_server(client, args.model, args.served_model_name, args.max_model_len, args.max_logprobs)
+    limits = server_limits(args)
+    server = create_server(client, args.model, args.served_model_name, args.max_model_len, args.max_logprobs,
+                           limits)
     await client.start(wait_ready=False)
     from planaria.frontend.admin import AdminSocket, EngineAdmin
 
@@ -90,10 +157,10 @@ async def serve(args: argparse.Namespace) -> int:
     procs = _spawn_engines(args.engines, client.input_address, engine_config) if args.spawn_engines else []
 
     runner = web.AppRunner(server.build_app(), handler_cancellation=True, access_log=None,
-                           shutdown_timeout=1.0)
+                           shutdown_timeout=1.0, keepalive_timeout=limits.keep_alive_timeout_s)
     await runner.setup()
     host, port = args.http
-    site = web.TCPSite(runner, host, port, reuse_address=True)
+    site = CappedTCPSite(runner, host, port, reuse_address=True, max_connections=limits.max_connections)
     await site.start()
     bound = runner.addresses[0] if runner.addresses else (host, port)
     print(f"planaria frontend: serving {server.serving.model.name} on http://{bound[0]}:{bound[1]}",
@@ -122,6 +189,7 @@ async def serve(args: argparse.Namespace) -> int:
         log.warning("%d request(s) still running at the drain timeout; cancelling them", server.num_in_flight)
     await runner.cleanup()  # cancels what is left (which aborts it in the engines)
     await admin_socket.close()
+    server.serving.renderer.close()
     await client.close()
     if procs:
         await asyncio.to_thread(_stop_procs, procs, args.drain_timeout_s)

@@ -5,6 +5,7 @@ what this server does not support (``logit_bias``, ``suffix``, ``tools`` ...) an
 value with a ``RequestError`` naming the field; ``fit_max_tokens`` applies the context
 limit once the prompt length is known (vLLM's rule: a prompt that leaves no room for one
 generated token is an error, otherwise max_tokens is capped to the room left).
+The sizes of ``stop`` and ``stop_token_ids`` are bounded by ``limits.RequestLimits``.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import msgspec
 from planaria.engine.errors import InvalidRequestError
 from planaria.engine.sampling_params import SamplingParams
 from planaria.frontend.errors import RequestError
+from planaria.frontend.limits import RequestLimits
 from planaria.frontend.protocol import ChatCompletionRequest, CompletionRequest, _CommonRequest
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -67,8 +69,20 @@ def _chat_logprobs(req: ChatCompletionRequest) -> int | None:
     return _or(req.top_logprobs, 0) if req.logprobs else None
 
 
-def sampling_params(req: _CommonRequest, *, vocab_size: int | None = None,
-                    max_logprobs: int = 20) -> SamplingParams:
+def _check_sizes(stop: list[str], stop_token_ids: list[int], limits: RequestLimits) -> None:
+    if len(stop) > limits.max_stop:
+        raise RequestError(f"stop holds at most {limits.max_stop} strings, got {len(stop)}", param="stop")
+    for s in stop:
+        if len(s) > limits.max_stop_chars:
+            raise RequestError(f"each stop string has at most {limits.max_stop_chars} characters, got "
+                               f"{len(s)}", param="stop")
+    if len(stop_token_ids) > limits.max_stop_token_ids:
+        raise RequestError(f"stop_token_ids holds at most {limits.max_stop_token_ids} ids, got "
+                           f"{len(stop_token_ids)}", param="stop_token_ids")
+
+
+def sampling_params(req: _CommonRequest, *, vocab_size: int | None = None, max_logprobs: int = 20,
+                    limits: RequestLimits = RequestLimits()) -> SamplingParams:
     """The engine's SamplingParams for ``req``, validated; RequestError names the bad field."""
     _reject_unsupported(req)
     if isinstance(req, ChatCompletionRequest):
@@ -80,10 +94,11 @@ def sampling_params(req: _CommonRequest, *, vocab_size: int | None = None,
         max_tokens_param = "max_tokens"
         logprobs = req.logprobs
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    _check_sizes(stop, req.stop_token_ids or [], limits)
     params = SamplingParams(
         n=_or(req.n, 1), max_tokens=max_tokens, min_tokens=_or(req.min_tokens, 0),
         temperature=_or(req.temperature, 1.0), top_p=_or(req.top_p, 1.0), top_k=_or(req.top_k, 0),
-        min_p=_or(req.min_p, 0.0), seed=req.seed, stop=stop, stop_token_ids=list(req.stop_token_ids or []),
+        min_p=_or(req.min_p, 0.0), seed=req.seed, stop=stop, stop_token_ids=frozenset(req.stop_token_ids or ()),
         ignore_eos=bool(req.ignore_eos), logprobs=logprobs,
         repetition_penalty=_or(req.repetition_penalty, 1.0),
         presence_penalty=_or(req.presence_penalty, 0.0), frequency_penalty=_or(req.frequency_penalty, 0.0),

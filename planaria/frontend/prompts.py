@@ -4,6 +4,13 @@ Completions accept ``str | list[str] | list[int] | list[list[int]]`` (a list of 
 of token lists is a batch: one choice per prompt). Chat messages are flattened to
 ``{"role", "content": str}`` dicts and rendered with the tokenizer's chat template
 (``add_generation_prompt=True`` unless the request says otherwise).
+
+``chat_template_kwargs`` is allow-listed (``CHAT_TEMPLATE_KWARGS``: booleans the common
+templates read): anything else, ``chat_template`` above all (a client's own Jinja, which
+can loop for hours), is a 400 naming the key. Text longer than ``max_chars`` is refused
+before the tokenizer or the template sees it (``limits.RequestLimits.max_chars_per_token``).
+These functions block (Jinja, the tokenizer): the server runs them off its event loop
+(``frontend.render.PromptRenderer``).
 """
 
 from __future__ import annotations
@@ -15,6 +22,10 @@ from planaria.frontend.errors import RequestError
 from planaria.frontend.protocol import ChatCompletionRequest
 
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+# chat_template_kwargs a client may set (each a bool); vLLM passes any, including its own
+# chat_template, which runs arbitrary Jinja on the server.
+CHAT_TEMPLATE_KWARGS = ("add_generation_prompt", "continue_final_message", "enable_thinking")
+MAX_TOKEN_ID = 2**31 - 1  # with no vocabulary known: what an engine's int32 tensors hold
 
 
 @dataclass
@@ -27,7 +38,7 @@ def _is_int(v: object) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def completion_prompt_inputs(prompt: str | list[Any]) -> list[str | list[int]]:
+def completion_prompt_inputs(prompt: str | list[Any], max_prompts: int | None = None) -> list[str | list[int]]:
     """The batch of prompts in a completions request: each a string or a token id list."""
     if isinstance(prompt, str):
         items: list = [prompt]
@@ -42,6 +53,9 @@ def completion_prompt_inputs(prompt: str | list[Any]) -> list[str | list[int]]:
     else:
         raise RequestError("prompt must be a string, a list of strings, a list of token ids, or a "
                            "list of token id lists", param="prompt")
+    if max_prompts is not None and len(items) > max_prompts:
+        raise RequestError(f"at most {max_prompts} prompts fit in one request, got {len(items)}",
+                           param="prompt")
     for i, item in enumerate(items):
         if not item:
             raise RequestError("prompt must not be empty" if len(items) == 1 else f"prompt {i} is empty",
@@ -49,19 +63,26 @@ def completion_prompt_inputs(prompt: str | list[Any]) -> list[str | list[int]]:
     return items
 
 
-def check_token_ids(token_ids: list[int], vocab_size: int | None) -> None:
-    if vocab_size is None:
-        return
+def check_token_ids(token_ids: list[int], vocab_size: int | None, param: str = "prompt") -> None:
+    limit = MAX_TOKEN_ID + 1 if vocab_size is None else vocab_size
     for t in token_ids:
-        if not 0 <= t < vocab_size:
-            raise RequestError(f"prompt token id {t} is outside the vocabulary [0, {vocab_size})",
-                               param="prompt")
+        if not 0 <= t < limit:
+            raise RequestError(f"{param} token id {t} is outside the vocabulary [0, {limit})", param=param)
 
 
-def tokenize_completion(prompt: str | list[Any], tokenizer, vocab_size: int | None) -> list[Prompt]:
+def check_chars(text: str, max_chars: int | None, param: str) -> None:
+    if max_chars is not None and len(text) > max_chars:
+        raise RequestError(f"{param} has {len(text)} characters; this model's context holds at most "
+                           f"{max_chars} (refused before tokenizing)", param=param,
+                           code="context_length_exceeded")
+
+
+def tokenize_completion(prompt: str | list[Any], tokenizer, vocab_size: int | None,
+                        max_chars: int | None = None, max_prompts: int | None = None) -> list[Prompt]:
     prompts = []
-    for item in completion_prompt_inputs(prompt):
+    for item in completion_prompt_inputs(prompt, max_prompts):
         if isinstance(item, str):
+            check_chars(item, max_chars, "prompt")
             ids = tokenizer.encode(item, add_special_tokens=True)
             if not ids:
                 raise RequestError("the prompt tokenizes to no tokens", param="prompt")
@@ -99,23 +120,40 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict]:
         if m.tool_call_id is not None:
             msg["tool_call_id"] = m.tool_call_id
         out.append(msg)
-    if req.continue_final_message and out[-1]["role"] != "assistant":
-        raise RequestError("continue_final_message needs the last message to be the assistant's",
-                           param="continue_final_message")
     return out
 
 
-def tokenize_chat(req: ChatCompletionRequest, tokenizer) -> Prompt:
+def chat_template_kwargs(req: ChatCompletionRequest) -> dict[str, bool]:
+    """The request's template switches: the top-level fields, then its (allow-listed)
+    ``chat_template_kwargs``, which win as in vLLM."""
+    kwargs = {"add_generation_prompt": req.add_generation_prompt is not False,
+              "continue_final_message": bool(req.continue_final_message)}
+    for key, value in (req.chat_template_kwargs or {}).items():
+        if key not in CHAT_TEMPLATE_KWARGS:
+            raise RequestError(f"chat_template_kwargs.{key} is not allowed; allowed: "
+                               f"{', '.join(CHAT_TEMPLATE_KWARGS)}", param=f"chat_template_kwargs.{key}")
+        if not isinstance(value, bool):
+            raise RequestError(f"chat_template_kwargs.{key} must be a boolean, got {type(value).__name__}",
+                               param=f"chat_template_kwargs.{key}")
+        kwargs[key] = value
+    if kwargs["continue_final_message"]:
+        kwargs["add_generation_prompt"] = False
+    return kwargs
+
+
+def tokenize_chat(req: ChatCompletionRequest, tokenizer, max_chars: int | None = None) -> Prompt:
+    kwargs = chat_template_kwargs(req)
     messages = chat_messages(req)
-    continue_final = bool(req.continue_final_message)
-    add_generation_prompt = req.add_generation_prompt is not False and not continue_final
+    if kwargs["continue_final_message"] and messages[-1]["role"] != "assistant":
+        raise RequestError("continue_final_message needs the last message to be the assistant's",
+                           param="continue_final_message")
+    check_chars("".join(m["content"] for m in messages), max_chars, "messages")
     try:
-        text = tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-            continue_final_message=continue_final, **(req.chat_template_kwargs or {}))
+        text = tokenizer.apply_chat_template(messages, tokenize=False, **kwargs)
     except Exception as exc:  # jinja raises anything (raise_exception in templates, TypeError)
         raise RequestError(f"the chat template could not render these messages: {exc}",
                            param="messages") from exc
+    check_chars(text, max_chars, "messages")
     ids = tokenizer.encode(text, add_special_tokens=False)
     if not ids:
         raise RequestError("the rendered chat prompt is empty", param="messages")

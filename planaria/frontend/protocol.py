@@ -12,11 +12,16 @@ checked here; values are checked in ``frontend.params`` and ``SamplingParams.val
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 
 from planaria.frontend.errors import RequestError
+from planaria.frontend.limits import INT64_MAX, INT64_MIN
+
+# Every integer a client sends is a signed 64-bit one (the engine socket's msgpack has no
+# bigger), so ``seed: 2**70`` is a 400 naming ``seed``, not a failure to encode.
+Int = Annotated[int, msgspec.Meta(ge=INT64_MIN, le=INT64_MAX)]
 
 
 class StreamOptions(msgspec.Struct, kw_only=True):
@@ -28,30 +33,30 @@ class _CommonRequest(msgspec.Struct, kw_only=True):
     """Fields both endpoints share: OpenAI sampling fields, then vLLM's extensions."""
 
     model: str | None = None
-    max_tokens: int | None = None
+    max_tokens: Int | None = None
     temperature: float | None = None
     top_p: float | None = None
-    n: int | None = None
+    n: Int | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
-    seed: int | None = None
+    seed: Int | None = None
     user: str | None = None
     response_format: dict[str, Any] | None = None
     echo: bool | None = False
     # vLLM extensions
     ignore_eos: bool | None = False
-    min_tokens: int | None = 0
-    top_k: int | None = None
+    min_tokens: Int | None = 0
+    top_k: Int | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[Int] | None = None
     skip_special_tokens: bool | None = True
     include_stop_str_in_output: bool | None = False
-    priority: int | None = 0
+    priority: Int | None = 0
     guided_json: str | dict[str, Any] | None = None
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
@@ -63,8 +68,8 @@ class CompletionRequest(_CommonRequest, kw_only=True):
     # str | list[str] | list[int] | list[list[int]]: msgspec allows one array type in a
     # union, so the list's items are checked by ``prompts.completion_prompt_inputs``.
     prompt: str | list[Any]
-    best_of: int | None = None
-    logprobs: int | None = None
+    best_of: Int | None = None
+    logprobs: Int | None = None
     suffix: str | None = None
 
 
@@ -83,9 +88,9 @@ class ChatMessage(msgspec.Struct, kw_only=True):
 
 class ChatCompletionRequest(_CommonRequest, kw_only=True):
     messages: list[ChatMessage]
-    max_completion_tokens: int | None = None
+    max_completion_tokens: Int | None = None
     logprobs: bool | None = False
-    top_logprobs: int | None = None
+    top_logprobs: Int | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
@@ -116,6 +121,8 @@ def _decode(body: bytes, type_: type) -> Any:
         raise RequestError("the request body is empty; send a JSON object")
     try:
         return msgspec.json.decode(body, type=type_)
+    except RecursionError as exc:  # the server's depth check comes first; this is the backstop
+        raise RequestError("the request body nests arrays/objects too deeply") from exc
     except msgspec.ValidationError as exc:
         msg = str(exc)
         raise RequestError(f"invalid request body: {msg}", param=_param_of(msg)) from exc

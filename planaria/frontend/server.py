@@ -7,6 +7,12 @@
     GET  /ready     200 when at least one engine is running and we are not draining, else 503
     GET  /metrics   Prometheus text
 
+Guards, in the order a request meets them: the connection cap (``http_guard.CappedTCPSite``,
+main.py), the API key on /v1/* (and /metrics, /ready with ``api_key_protects_metrics``;
+/health never), the in-flight bound on generation requests (429 with Retry-After), the
+body read (timeout 408, size 413), the JSON nesting depth (400). ``limits.ServerLimits``
+holds their settings.
+
 ``create_server(client, model_dir, ...)`` builds the real collaborators (tokenizer,
 detokenizer, Generator) in one place; ``FrontendServer`` takes them ready-made, so tests
 can hand it fakes.
@@ -23,22 +29,27 @@ from pathlib import Path
 from aiohttp import web
 
 from planaria.frontend import responses as R
-from planaria.frontend.errors import FrontendError, ServiceUnavailableError, error_body
+from planaria.frontend.errors import FrontendError, ServiceUnavailableError, TooManyRequestsError, error_body
 from planaria.frontend.generation import Generator
+from planaria.frontend.http_guard import check_api_key, read_body
+from planaria.frontend.limits import RequestLimits, ServerLimits, check_json_depth
 from planaria.frontend.metrics import FrontendMetrics
+from planaria.frontend.render import PromptRenderer
 from planaria.frontend.serving import ModelInfo, OpenAIServing
 
 log = logging.getLogger(__name__)
 
-MAX_BODY_BYTES = 64 * 2**20
 ENGINE_WATCH_INTERVAL_S = 0.5
+RETRY_AFTER_S = 1  # what a 429 tells the client to wait
 
 
 class FrontendServer:
-    def __init__(self, client, serving: OpenAIServing, metrics: FrontendMetrics) -> None:
+    def __init__(self, client, serving: OpenAIServing, metrics: FrontendMetrics,
+                 limits: ServerLimits = ServerLimits()) -> None:
         self.client = client
         self.serving = serving
         self.metrics = metrics
+        self.limits = limits
         self.created = R.now_s()
         self.draining = False
         self.num_in_flight = 0
@@ -49,7 +60,8 @@ class FrontendServer:
 
     # -- app ------------------------------------------------------------------------------
     def build_app(self) -> web.Application:
-        app = web.Application(middlewares=[self._errors_middleware], client_max_size=MAX_BODY_BYTES)
+        app = web.Application(middlewares=[self._errors_middleware, self._auth_middleware],
+                              client_max_size=self.limits.max_body_bytes)
         app.router.add_post("/v1/completions", self._generation(self.serving.completions))
         app.router.add_post("/v1/chat/completions", self._generation(self.serving.chat))
         if self.embeddings is not None:
@@ -80,11 +92,20 @@ class FrontendServer:
         except FrontendError as exc:
             if exc.status >= 500:
                 log.warning("%s %s: %s", request.method, request.path, exc)
-            return web.json_response(exc.body(), status=exc.status)
+            resp = web.json_response(exc.body(), status=exc.status, headers=exc.headers())
+            if exc.close_connection:
+                resp.force_close()
+            if exc.hang_up:  # send it and close now: aiohttp would linger reading the rest
+                await resp.prepare(request)
+                await resp.write_eof()
+                if request.transport is not None:
+                    request.transport.close()
+            return resp
         except web.HTTPException as exc:
             if exc.status < 400:
                 raise
-            return web.json_response(error_body(exc.reason, "invalid_request_error" if exc.status < 500
+            message = exc.text if exc.text and exc.text != f"{exc.status}: {exc.reason}" else exc.reason
+            return web.json_response(error_body(message or exc.reason, "invalid_request_error" if exc.status < 500
                                                  else "internal_server_error", code=str(exc.status)),
                                      status=exc.status, headers={k: v for k, v in exc.headers.items()
                                                                  if k.lower() == "allow"})
@@ -95,14 +116,29 @@ class FrontendServer:
             return web.json_response(error_body(f"internal error: {type(exc).__name__}: {exc}",
                                                 "internal_server_error"), status=500)
 
+    @web.middleware
+    async def _auth_middleware(self, request: web.Request, handler):
+        key = self.limits.api_key
+        if key and (request.path.startswith("/v1/") or (
+                self.limits.api_key_protects_metrics and request.path in ("/metrics", "/ready"))):
+            check_api_key(request, key)
+        return await handler(request)
+
     def _generation(self, handler):
         async def tracked(request: web.Request) -> web.StreamResponse:
             if self.draining:
                 raise ServiceUnavailableError("the server is shutting down", code="draining")
+            if self.num_in_flight >= self.limits.max_inflight_requests:
+                self.metrics.record_error("overloaded")
+                raise TooManyRequestsError(
+                    f"this frontend has its maximum of {self.limits.max_inflight_requests} requests in "
+                    "flight (--max-inflight-requests); retry later", retry_after_s=RETRY_AFTER_S)
             self.num_in_flight += 1
             self._idle.clear()
             try:
-                return await handler(request)
+                body = await read_body(request, self.limits.body_read_timeout_s, self.limits.max_body_bytes)
+                check_json_depth(body, self.serving.limits.max_json_depth)
+                return await handler(request)  # request.read() returns the body read here
             finally:
                 self.num_in_flight -= 1
                 if self.num_in_flight == 0:
@@ -165,7 +201,9 @@ def load_model_info(model_dir: str | Path, tokenizer, served_model_name: str | N
 
 
 def create_server(client, model_dir: str | Path, served_model_name: str | None = None,
-                  max_model_len: int | None = None, max_logprobs: int = 20) -> FrontendServer:
+                  max_model_len: int | None = None, max_logprobs: int = 20,
+                  limits: ServerLimits = ServerLimits(),
+                  request_limits: RequestLimits = RequestLimits()) -> FrontendServer:
     """The real collaborators, built in one place: HF tokenizer, incremental detokenizer."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers import AutoTokenizer
@@ -182,8 +220,10 @@ def create_server(client, model_dir: str | Path, served_model_name: str | None =
         lens = [e.max_model_len for e in client.engines if e.healthy and e.max_model_len]
         return min(lens) if lens else max_model_len
 
-    serving = OpenAIServing(generator, tokenizer, model, engine_max_model_len)
-    server = FrontendServer(client, serving, metrics)
+    renderer = PromptRenderer(tokenizer, limits.render_timeout_s, limits.render_threads)
+    serving = OpenAIServing(generator, tokenizer, model, engine_max_model_len, limits=request_limits,
+                            renderer=renderer, request_timeout_s=limits.request_timeout_s)
+    server = FrontendServer(client, serving, metrics, limits)
     from planaria.frontend.admin import EngineAdmin
 
     server.admin = EngineAdmin(client, utility_timeout_s=2.0)
@@ -191,5 +231,7 @@ def create_server(client, model_dir: str | Path, served_model_name: str | None =
     from planaria.frontend.embeddings import EmbeddingServing
 
     server.embeddings = EmbeddingServing(client, tokenizer, model.name, model.path, lambda: serving.max_model_len,
-                                         is_bert_config(_read_json(Path(model_dir) / "config.json")))
+                                         is_bert_config(_read_json(Path(model_dir) / "config.json")),
+                                         vocab_size=model.vocab_size, limits=request_limits, renderer=renderer,
+                                         request_timeout_s=limits.request_timeout_s)
     return server

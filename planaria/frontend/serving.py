@@ -5,6 +5,11 @@ per-endpoint differences (body shapes, logprobs format, chat's role chunk) live 
 two ``_Render`` classes. Errors raised before the first token become an HTTP error
 status even for streams (the first delta is awaited before the SSE headers go out);
 later ones become an SSE error event followed by ``[DONE]``.
+
+Prompts are rendered and tokenized off the event loop (``frontend.render``). Every
+request has a deadline, ``request_timeout_s`` after it arrived: past it the engine
+requests are aborted and the client gets 504 ``request_timeout`` (an SSE error event
+once streaming).
 """
 
 from __future__ import annotations
@@ -20,12 +25,16 @@ from aiohttp import web
 
 from planaria.engine.messages import EngineCoreRequest
 from planaria.frontend import responses as R
-from planaria.frontend.errors import FrontendError, NotFoundError
+from planaria.frontend.errors import FrontendError, GatewayTimeoutError, NotFoundError
 from planaria.frontend.generation import GenerationDelta, Generator
+from planaria.frontend.limits import RequestLimits
 from planaria.frontend.logprobs import ChatLogprobs, CompletionLogprobs, TokenTexts, merge_completion_logprobs
 from planaria.frontend.params import fit_max_tokens, sampling_params, structured_output
 from planaria.frontend.prompts import Prompt, tokenize_chat, tokenize_completion
 from planaria.frontend.protocol import ChatCompletionRequest, decode_chat, decode_completion
+from planaria.frontend.render import PromptRenderer
+
+DEFAULT_REQUEST_TIMEOUT_S = 600.0
 
 _json = msgspec.json.Encoder()
 _END = object()
@@ -118,12 +127,17 @@ class _ChatRender:
 
 class OpenAIServing:
     def __init__(self, generator: Generator, tokenizer, model: ModelInfo,
-                 engine_max_model_len: Callable[[], int | None] = lambda: None) -> None:
+                 engine_max_model_len: Callable[[], int | None] = lambda: None, *,
+                 limits: RequestLimits = RequestLimits(), renderer: PromptRenderer | None = None,
+                 request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S) -> None:
         self.generator = generator
         self.tokenizer = tokenizer
         self.model = model
         self._engine_max_model_len = engine_max_model_len
         self.token_text = TokenTexts(tokenizer)
+        self.limits = limits
+        self.renderer = renderer if renderer is not None else PromptRenderer(tokenizer)
+        self.request_timeout_s = request_timeout_s
 
     @property
     def max_model_len(self) -> int:
@@ -136,10 +150,11 @@ class OpenAIServing:
                                 f"`{self.model.name}`", param="model", code="model_not_found")
 
     def _engine_requests(self, req, prompts: list[Prompt], base_id: str) -> list[EngineCoreRequest]:
-        params = sampling_params(req, vocab_size=self.model.vocab_size, max_logprobs=self.model.max_logprobs)
+        params = sampling_params(req, vocab_size=self.model.vocab_size, max_logprobs=self.model.max_logprobs,
+                                 limits=self.limits)
         if self.model.extra_eos_token_ids and not params.ignore_eos:
-            extra = [t for t in self.model.extra_eos_token_ids if t not in params.stop_token_ids]
-            params = msgspec.structs.replace(params, stop_token_ids=params.stop_token_ids + extra)
+            params = msgspec.structs.replace(
+                params, stop_token_ids=params.stop_token_ids | frozenset(self.model.extra_eos_token_ids))
         so = structured_output(req)
         arrival = time.monotonic()
         out = []
@@ -152,45 +167,66 @@ class OpenAIServing:
         return out
 
     # -- endpoints ------------------------------------------------------------------------
+    def _deadline(self) -> float:
+        return asyncio.get_running_loop().time() + self.request_timeout_s
+
     async def completions(self, request: web.Request) -> web.StreamResponse:
+        deadline = self._deadline()
         req = decode_completion(await request.read())
         self._check_model(req.model)
-        prompts = tokenize_completion(req.prompt, self.tokenizer, self.model.vocab_size)
+        prompts = await self.renderer.run(
+            tokenize_completion, req.prompt, self.renderer.tokenizer, self.model.vocab_size,
+            self.limits.max_prompt_chars(self.max_model_len), self.limits.max_prompts)
         response_id = req.request_id or R.new_id("cmpl")
         ecrs = self._engine_requests(req, prompts, R.new_id("cmpl"))
         choices = [_Choice(i, len(p.token_ids), prefix=self._echo_text(p) if req.echo else "")
                    for i, p in enumerate(prompts)]
         render = _CompletionRender(choices, self.token_text, req.logprobs)
-        return await self._serve(request, req, ecrs, render, response_id)
+        return await self._serve(request, req, ecrs, render, response_id, deadline)
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
+        deadline = self._deadline()
         req: ChatCompletionRequest = decode_chat(await request.read())
         self._check_model(req.model)
-        prompt = tokenize_chat(req, self.tokenizer)
+        prompt = await self.renderer.run(tokenize_chat, req, self.renderer.tokenizer,
+                                         self.limits.max_prompt_chars(self.max_model_len))
         response_id = req.request_id or R.new_id("chatcmpl")
         ecrs = self._engine_requests(req, [prompt], R.new_id("chatcmpl"))
         choices = [_Choice(0, len(prompt.token_ids))]
         render = _ChatRender(choices, self.token_text, ecrs[0].sampling_params.logprobs)
-        return await self._serve(request, req, ecrs, render, response_id)
+        return await self._serve(request, req, ecrs, render, response_id, deadline)
 
     def _echo_text(self, p: Prompt) -> str:
         return p.text if p.text is not None else self.tokenizer.decode(p.token_ids, skip_special_tokens=False)
 
     # -- running --------------------------------------------------------------------------
-    async def _serve(self, request: web.Request, req, ecrs, render, response_id: str) -> web.StreamResponse:
+    async def _serve(self, request: web.Request, req, ecrs, render, response_id: str,
+                     deadline: float) -> web.StreamResponse:
         created = R.now_s()
         name = self.model.name
         version = None  # weight_version of the latest delta (responses.py)
-        async with contextlib.aclosing(self._merged(ecrs)) as deltas:
+        async with contextlib.aclosing(self._merged(ecrs)) as merged:
+            async def next_delta():
+                """The next (index, delta), or _END; past the deadline GatewayTimeoutError (the
+                cancelled generator has aborted its engine requests on the way out)."""
+                try:
+                    async with asyncio.timeout_at(deadline):
+                        return await anext(merged, _END)
+                except TimeoutError:
+                    raise GatewayTimeoutError(
+                        f"the request ran longer than {self.request_timeout_s:g} s (--request-timeout-s) "
+                        "and was aborted", code="request_timeout") from None
+
             if not req.stream:
-                async for i, d in deltas:
+                while (item := await next_delta()) is not _END:
+                    i, d = item
                     render.delta(render.choices[i], d)
                     version = d.weight_version or version
                 cs = render.choices
                 u = R.usage(sum(c.num_prompt_tokens for c in cs), sum(c.num_output_tokens for c in cs))
                 body = render.body(response_id, created, name, [render.final(c) for c in cs], u, version)
                 return web.json_response(body, dumps=lambda o: _json.encode(o).decode())
-            first = await anext(deltas, _END)  # an error before any output is still an HTTP status
+            first = await next_delta()  # an error before any output is still an HTTP status
             if first is not _END:
                 version = first[1].weight_version
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -216,7 +252,7 @@ class OpenAIServing:
                         if choice is not None:
                             await _sse(resp, render.chunk(response_id, created, name, [choice],
                                                           running_usage() if continuous else None, version))
-                        item = await anext(deltas, _END)
+                        item = await next_delta()
                 except FrontendError as exc:
                     await _sse(resp, exc.body())
                 else:

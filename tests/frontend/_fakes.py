@@ -90,11 +90,12 @@ class FakeEngineClient:
     """Generates ``text`` (cycled) one token per step; ``die_after`` tokens then EngineDeadError."""
 
     def __init__(self, text: str = "hello world ", step_s: float = 0.001, die_after: int | None = None,
-                 error: str | None = None) -> None:
+                 error: str | None = None, error_code: str | None = None) -> None:
         self.text = text
         self.step_s = step_s
         self.die_after = die_after
         self.error = error
+        self.error_code = error_code  # with error: EngineCoreOutput.error_code
         self.engines = [FakeEngineInfo(0, stats=SchedulerStats())]
         self.requests: dict = {}
         self.running: set[str] = set()
@@ -111,7 +112,8 @@ class FakeEngineClient:
         try:
             if self.error is not None:
                 finished = True
-                yield EngineCoreOutput(request_id=rid, finish_reason="error", error=self.error)
+                yield EngineCoreOutput(request_id=rid, finish_reason="error", error=self.error,
+                                       error_code=self.error_code)
                 return
             for i in range(sp.max_tokens):
                 await asyncio.sleep(self.step_s)

@@ -38,7 +38,8 @@ def stop_proc(proc: subprocess.Popen, timeout_s: float = 15.0) -> int:
 
 
 class Stack:
-    def __init__(self, root: Path, model: Path, num_engines: int, engine_config: dict) -> None:
+    def __init__(self, root: Path, model: Path, num_engines: int, engine_config: dict,
+                 frontend_args: list[str] | tuple[str, ...] = (), frontend_env: dict[str, str] | None = None) -> None:
         self.model = model
         self.num_engines = num_engines
         # ipc paths must stay short (sun_path): a fresh short dir, not the pytest tmp path
@@ -51,8 +52,9 @@ class Stack:
         self.frontend = subprocess.Popen(
             [sys.executable, "-m", "planaria.frontend.main", "--model", str(model), "--http", f"127.0.0.1:{self.port}",
              "--runtime-dir", str(self.runtime), "--engines", str(num_engines), "--drain-timeout-s", "5",
-             "--engine-config-json", msgspec.json.encode(engine_config).decode()],
-            cwd=REPO, env=env, stdout=open(root / "frontend.log", "wb"), stderr=subprocess.STDOUT)
+             "--engine-config-json", msgspec.json.encode(engine_config).decode(), *frontend_args],
+            cwd=REPO, env={**env, **(frontend_env or {})}, stdout=open(root / "frontend.log", "wb"),
+            stderr=subprocess.STDOUT)
         settings = msgspec.json.encode({"handshake_timeout_s": 60.0, "stats_interval_s": 0.2}).decode()
         self.engines = [subprocess.Popen(
             [sys.executable, "-m", "planaria.engine.proc", "--engine-index", str(i),

@@ -51,7 +51,7 @@ def test_completion_every_field_converts():
         (7, 0.5, 0.9, ["##"], 0.5, -0.5)
     assert (p.logprobs, p.seed, p.ignore_eos, p.min_tokens, p.top_k, p.min_p) == (3, 42, True, 2, 5, 0.1)
     assert (p.repetition_penalty, p.stop_token_ids, p.skip_special_tokens, p.include_stop_str_in_output) == \
-        (1.1, [3, 4], False, True)
+        (1.1, frozenset({3, 4}), False, True)
 
 
 def test_nulls_mean_defaults():
