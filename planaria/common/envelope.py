@@ -60,10 +60,23 @@ def encode(message: AdminRequest | Ok | Err) -> bytes:
 
 
 def decode_request(frame: bytes) -> AdminRequest:
-    """Raises ``msgspec.DecodeError`` (a ``ValidationError`` for a wrong shape)."""
-    return _request_decoder.decode(frame)
+    """Raises ``msgspec.DecodeError`` (a ``ValidationError`` for a wrong shape), and only
+    that, for any frame: deep nesting included."""
+    return _decode(_request_decoder, frame)
 
 
 def decode_reply(frame: bytes) -> Ok | Err:
-    """Raises ``msgspec.DecodeError`` (a ``ValidationError`` for a wrong shape)."""
-    return _reply_decoder.decode(frame)
+    """Raises ``msgspec.DecodeError`` (a ``ValidationError`` for a wrong shape), and only
+    that, for any frame: deep nesting included."""
+    return _decode(_reply_decoder, frame)
+
+
+def _decode(decoder: msgspec.msgpack.Decoder, frame: bytes):
+    try:
+        return decoder.decode(frame)
+    except msgspec.DecodeError:
+        raise
+    except RecursionError as exc:  # msgspec's answer to nesting past the recursion limit
+        raise msgspec.DecodeError("message is nested too deeply") from exc
+    except Exception as exc:  # noqa: BLE001 - a frame of the wrong kind (not bytes-like), say
+        raise msgspec.DecodeError(f"undecodable message: {type(exc).__name__}: {exc}") from exc

@@ -6,7 +6,10 @@ directory is created with mode 0700, the socket file is chmod 0600, and a ``floc
 TCP with CurveZMQ. Frames are ``[identity, b"", msgpack(AdminRequest)]`` in and
 ``[identity, b"", msgpack(Ok | Err)]`` out, so REQ and DEALER clients both work. The
 handler maps ``AdminRequest -> Ok | Err``; whatever it raises becomes an ``Err`` through
-``common.errors.to_reply`` (the envelope is ``common.envelope``). Two ways to run it:
+``common.errors.to_reply`` (the envelope is ``common.envelope``). No request ends the
+server: a malformed one (bad framing, undecodable, nested too deeply) is answered
+BAD_ARGUMENT or dropped and counted (``num_malformed``), and anything else that raises
+while answering is logged and counted (``num_failed``). Two ways to run it:
 
 - from the supervisor's own loop: ``server.poll_once(timeout_ms)`` (or put
   ``server.sockets`` in the loop's ``zmq.Poller`` and call ``poll_once(0)`` when ready);
@@ -55,6 +58,11 @@ SOCKET_NAME = "control.sock"
 LOCK_NAME = "control.lock"
 
 Handler = Callable[[AdminRequest], "Ok | Err"]
+
+
+def _should_log(count: int) -> bool:
+    """Per-message warnings: the first 20, then every 1000th (a flood must not fill the log)."""
+    return count <= 20 or count % 1000 == 0
 
 
 def control_socket_path(runtime_dir: str | os.PathLike) -> Path:
@@ -107,6 +115,8 @@ class ControlServer:
         self._sockets: list[zmq.Socket] = []
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
+        self.num_malformed = 0  # requests that did not decode or had the wrong framing
+        self.num_failed = 0  # requests whose answer raised (a bug: logged, left unanswered)
         try:
             self._sockets.append(self._bind_ipc())
             if tcp is not None:
@@ -185,8 +195,13 @@ class ControlServer:
                     frames = sock.recv_multipart(zmq.NOBLOCK)
                 except zmq.Again:
                     break
-                if self._answer(sock, frames):
-                    num_answered += 1
+                try:
+                    if self._answer(sock, frames):
+                        num_answered += 1
+                except Exception:  # noqa: BLE001 - one request never ends the server loop
+                    self.num_failed += 1
+                    if _should_log(self.num_failed):
+                        _log.exception("control socket: request #%d failed unanswered", self.num_failed)
         return num_answered
 
     def start_thread(self, poll_interval_ms: int = 100) -> threading.Thread:
@@ -204,8 +219,10 @@ class ControlServer:
 
     def _answer(self, sock: zmq.Socket, frames: list[bytes]) -> bool:
         if len(frames) != 3 or frames[1] != b"":
-            _log.warning("dropping control message with %d frames (expected REQ/DEALER "
-                         "framing)", len(frames))
+            self.num_malformed += 1
+            if _should_log(self.num_malformed):
+                _log.warning("dropping control message with %d frames (expected REQ/DEALER "
+                             "framing)", len(frames))
             return False
         identity, _, payload = frames
         sock.send_multipart([identity, b"", encode(self.dispatch(payload))])
@@ -215,7 +232,8 @@ class ControlServer:
         """Decode, run the handler, map errors; never raises for a request's fault."""
         try:
             request = decode_request(payload)
-        except msgspec.DecodeError as exc:
+        except msgspec.DecodeError as exc:  # the only error it raises, deep nesting included
+            self.num_malformed += 1
             return Err("", ErrorCode.BAD_ARGUMENT, f"malformed admin request: {exc}")
         try:
             reply = self.handler(request)

@@ -52,7 +52,10 @@ class DeathReporter:
         from planaria.engine.wire import EngineDead, MsgType
 
         frames = self._enc.encode(MsgType.ENGINE_CORE_DEAD,
-                                  EngineDead(engine_index=engine_id, reason=reason, pid=pid))
+                                  EngineDead(engine_index=engine_id, reason=reason, pid=pid,
+                                             # when we saw it die: a frontend does not count
+                                             # the death against requests sent after it
+                                             fault_monotonic_s=time.monotonic()))
         try:
             self._sock.send_multipart(frames, zmq.NOBLOCK)
         except zmq.Again:

@@ -86,6 +86,8 @@ def parse_assignment(line: str) -> tuple[list[str], str | None, dict[str, str]]:
         value = json.loads(line)
     except ValueError as exc:
         raise ValueError(f"not JSON: {exc}") from None
+    except RecursionError:  # json.loads of a line nested past the recursion limit
+        raise ValueError("JSON nested too deeply") from None
     if isinstance(value, dict):
         engine_argv, log_path, env = value.get("argv"), value.get("log_path"), value.get("env", {})
     else:

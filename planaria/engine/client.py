@@ -27,13 +27,13 @@ from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
 import time
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator, Callable, Iterable
 
 import msgspec
 import zmq
 import zmq.asyncio
 
-from planaria.common.sockets import ipc_endpoint
+from planaria.common.sockets import CurveKeySet, ipc_endpoint, set_curve_server
 from planaria.engine.errors import (EngineDeadError, EngineFaultError, EngineHandshakeError,
                            NoEngineAvailableError, UtilityCallError, WireFormatError)
 from planaria.engine.messages import EngineCoreOutput, EngineCoreRequest, SchedulerStats
@@ -149,6 +149,7 @@ class EngineClient:
         self._ctx: zmq.asyncio.Context | None = None
         self._tasks: list[asyncio.Task] = []
         self._closed = False
+        self.num_bad_messages = 0  # messages the readers could not use (see _router_loop)
         # fn(engine_index, reason), on the loop, when an engine's in-flight work is lost
         # (death, restart, dropped requests) just before its generates raise
         self.loss_listeners: list[Callable[[int, str], None]] = []
@@ -158,19 +159,48 @@ class EngineClient:
     def engines(self) -> list[EngineInfo]:
         return [self._engines[i] for i in sorted(self._engines)]
 
+    # CurveZMQ, for a client that engines reach over TCP (use_curve); off by default
+    _curve_secret_key: bytes | None = None
+    _curve_authorized: CurveKeySet | None = None
+    _auth = None  # the ZAP authenticator thread, with authorized keys
+
+    def use_curve(self, secret_key: bytes, authorized_keys: Iterable[bytes | str] | None = None) -> None:
+        """Before bind(): both sockets are CurveZMQ servers with ``secret_key`` (z85), so an
+        engine connects only knowing this client's public key (`planaria serve
+        --extra-client-addresses tcp://... --extra-client-server-key NAME.key`).
+        ``authorized_keys``: z85 public keys of the engines let in (ZAP), e.g. the daemon's
+        STATE_DIR/extra-client-keys/engine.key; None admits any engine that has this
+        server's public key."""
+        if self._ctx is not None:
+            raise RuntimeError("use_curve() must come before bind()")
+        self._curve_secret_key = secret_key
+        self._curve_authorized = None if authorized_keys is None else CurveKeySet(authorized_keys)
+
     def bind(self) -> tuple[str, str]:
         """Bind both sockets (idempotent); returns the (ROUTER, PULL) addresses to give engines."""
         if self._ctx is not None:
             return self.input_address, self.output_address
         self._ctx = zmq.asyncio.Context()
+        if self._curve_authorized is not None:
+            from zmq.auth.thread import ThreadAuthenticator
+
+            # ZAP is answered on the context's inproc socket, from a thread: a plain
+            # (not asyncio) view of the same context.
+            self._auth = ThreadAuthenticator(zmq.Context.shadow(self._ctx.underlying))
+            self._auth.start()
+            self._auth.configure_curve_callback("*", self._curve_authorized)
         self._router = self._ctx.socket(zmq.ROUTER)
         self._router.setsockopt(zmq.ROUTER_MANDATORY, 1)  # unknown engine: an error, not a drop
         self._router.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted engine takes its identity
         self._router.setsockopt(zmq.LINGER, 0)
+        if self._curve_secret_key is not None:
+            set_curve_server(self._router, self._curve_secret_key)
         self._router.bind(self.input_address)
         self.input_address = self._router.getsockopt(zmq.LAST_ENDPOINT).decode()
         self._pull = self._ctx.socket(zmq.PULL)
         self._pull.setsockopt(zmq.LINGER, 0)
+        if self._curve_secret_key is not None:
+            set_curve_server(self._pull, self._curve_secret_key)
         self._pull.bind(self.output_address)
         self.output_address = self._pull.getsockopt(zmq.LAST_ENDPOINT).decode()
         return self.input_address, self.output_address
@@ -222,6 +252,8 @@ class EngineClient:
         if self._ctx is not None:
             self._router.close(linger=0)
             self._pull.close(linger=0)
+            if self._auth is not None:
+                self._auth.stop()
             self._ctx.term()
 
     # -- requests ---------------------------------------------------------------------------
@@ -338,9 +370,14 @@ class EngineClient:
         if pid is not None and info.pid is not None and pid != info.pid:
             log.info("ignoring a death report for engine %d pid %d (now pid %d)", engine_index, pid, info.pid)
             return
+        # the earliest known time of this death (the engine's own report, the supervisor's,
+        # else now), never a previous death's
+        died_s = time.monotonic() if fault_monotonic_s is None else fault_monotonic_s
         if info.state != EngineInfoState.DEAD:
             info.died_at_s = time.time()
-        if fault_monotonic_s is not None:
+            info.fault_monotonic_s = died_s
+        elif fault_monotonic_s is not None and (not info.fault_monotonic_s
+                                                or fault_monotonic_s < info.fault_monotonic_s):
             info.fault_monotonic_s = fault_monotonic_s
         self._set_state(info, EngineInfoState.DEAD, reason)
         self._fail_engine(engine_index, EngineDeadError, reason)
@@ -369,21 +406,33 @@ class EngineClient:
                 w.set_result(None)
 
     # -- reader tasks -----------------------------------------------------------------------
+    # Both readers take one message at a time and survive it whatever it holds: a bad one
+    # (WireFormatError, deep nesting included) or one whose handling raises is counted in
+    # num_bad_messages, logged (the first 20, then every 1000th), and skipped. A reader
+    # that ended would leave every request hanging while the frontend looks healthy.
     async def _router_loop(self) -> None:
         while True:
             frames = await self._router.recv_multipart(copy=False)
-            identity, frames = frames[0].bytes, [f.buffer for f in frames[1:]]
             try:
-                msg_type, msg = self._dec.decode(frames)
-            except WireFormatError as exc:
-                log.warning("bad message from engine identity %r: %s", identity, exc)
-                continue
-            if msg_type == MsgType.HELLO:
-                self._on_hello(identity, msg)
-            elif msg_type == MsgType.READY:
-                self._on_ready(identity, msg)
-            else:
-                log.warning("unexpected %r on the ROUTER socket", msg_type)
+                self._on_router_message(frames[0].bytes, [f.buffer for f in frames[1:]])
+            except Exception as exc:  # noqa: BLE001 - one message never ends the reader
+                self._bad_message("ROUTER", exc)
+
+    def _on_router_message(self, identity: bytes, frames: list) -> None:
+        msg_type, msg = self._dec.decode(frames)
+        if msg_type == MsgType.HELLO:
+            self._on_hello(identity, msg)
+        elif msg_type == MsgType.READY:
+            self._on_ready(identity, msg)
+        else:
+            log.warning("unexpected %r on the ROUTER socket", msg_type)
+
+    def _bad_message(self, socket_name: str, exc: Exception) -> None:
+        self.num_bad_messages += 1
+        n = self.num_bad_messages
+        if n <= 20 or n % 1000 == 0:
+            log.warning("bad message #%d on the %s socket, skipped: %s", n, socket_name, exc,
+                        exc_info=not isinstance(exc, WireFormatError))  # a traceback for a bug only
 
     def _on_hello(self, identity: bytes, hello) -> None:
         index = engine_index_of(identity)
@@ -441,28 +490,30 @@ class EngineClient:
         while True:
             frames = await self._pull.recv_multipart(copy=False)
             try:
-                msg_type, msg = self._dec.decode([f.buffer for f in frames])
-            except WireFormatError as exc:
-                log.warning("bad message on the PULL socket: %s", exc)
-                continue
-            if msg_type == MsgType.OUTPUTS:
-                self._on_outputs(msg)
-            elif msg_type == MsgType.UTILITY_RESULT:
-                entry = self._calls.get(msg.call_id)
-                if entry is not None and not entry[1].done():
-                    if msg.ok:
-                        entry[1].set_result(msg.result)
-                    else:
-                        entry[1].set_exception(UtilityCallError(msg.error or "utility call failed",
-                                                                UtilityErrorCode.of(msg.code)))
-            elif msg_type == MsgType.ENGINE_CORE_DEAD:
-                self.mark_engine_dead(msg.engine_index, msg.reason, msg.pid, msg.fault_monotonic_s)
-            elif msg_type == MsgType.STATUS:
-                self._on_status(msg)
-            elif msg_type == MsgType.ERROR:
-                log.warning("engine %d could not use a message: %s", msg.engine_index, msg.message)
-            else:
-                log.warning("unexpected %r on the PULL socket", msg_type)
+                self._on_pull_message([f.buffer for f in frames])
+            except Exception as exc:  # noqa: BLE001 - one message never ends the reader
+                self._bad_message("PULL", exc)
+
+    def _on_pull_message(self, frames: list) -> None:
+        msg_type, msg = self._dec.decode(frames)
+        if msg_type == MsgType.OUTPUTS:
+            self._on_outputs(msg)
+        elif msg_type == MsgType.UTILITY_RESULT:
+            entry = self._calls.get(msg.call_id)
+            if entry is not None and not entry[1].done():
+                if msg.ok:
+                    entry[1].set_result(msg.result)
+                else:
+                    entry[1].set_exception(UtilityCallError(msg.error or "utility call failed",
+                                                            UtilityErrorCode.of(msg.code)))
+        elif msg_type == MsgType.ENGINE_CORE_DEAD:
+            self.mark_engine_dead(msg.engine_index, msg.reason, msg.pid, msg.fault_monotonic_s)
+        elif msg_type == MsgType.STATUS:
+            self._on_status(msg)
+        elif msg_type == MsgType.ERROR:
+            log.warning("engine %d could not use a message: %s", msg.engine_index, msg.message)
+        else:
+            log.warning("unexpected %r on the PULL socket", msg_type)
 
     def _on_outputs(self, outs) -> None:
         info = self._engines.get(outs.engine_index)

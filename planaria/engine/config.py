@@ -14,6 +14,12 @@ class EngineConfig(msgspec.Struct, kw_only=True, omit_defaults=True):
     seed: int = 0
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     max_num_seqs: int = 64
+    # Requests an engine process lets wait (not yet running: queued, preempted, compiling a
+    # grammar); one more gets at once an error output with error_code "overloaded". None:
+    # 4 x max_num_seqs (256 by default), about four batches: beyond that a request would
+    # wait several whole generations, and a fast refusal lets the caller go elsewhere or
+    # back off. The offline LLM API feeds its own queue and is not bounded.
+    max_num_waiting: int | None = None
     max_num_batched_tokens: int = 2048
     block_size: int = 16
     enable_prefix_caching: bool = True
@@ -43,6 +49,8 @@ class EngineConfig(msgspec.Struct, kw_only=True, omit_defaults=True):
             raise EngineError(f"block_size must be a positive power of two, got {self.block_size}")
         if self.max_num_seqs <= 0:
             raise EngineError(f"max_num_seqs must be positive, got {self.max_num_seqs}")
+        if self.max_num_waiting is not None and self.max_num_waiting < 1:
+            raise EngineError(f"max_num_waiting must be positive, got {self.max_num_waiting}")
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise EngineError("max_num_batched_tokens must be >= max_num_seqs")
         if self.scheduling_policy not in ("fcfs", "priority"):
@@ -53,6 +61,11 @@ class EngineConfig(msgspec.Struct, kw_only=True, omit_defaults=True):
             raise EngineError("max_concurrent_batches must be >= 1")
         if self.runner_type not in (None, "generate", "pooling"):
             raise EngineError(f"runner_type must be 'generate' or 'pooling', got {self.runner_type!r}")
+
+    @property
+    def waiting_limit(self) -> int:
+        """max_num_waiting, or its default (4 x max_num_seqs)."""
+        return self.max_num_waiting if self.max_num_waiting is not None else 4 * self.max_num_seqs
 
     def hash(self) -> str:
         """Fingerprint of the settings that must match between engines and frontends."""

@@ -16,7 +16,7 @@ from planaria.engine.errors import (EngineError, InvalidRequestError, KVCacheToo
                                     WeightLoadInProgressError)
 from planaria.engine.iteration_details import IterationRecorder, scheduler_dump
 from planaria.engine.kv_cache_manager import KVCacheManager
-from planaria.engine.messages import EngineCoreOutput, EngineCoreRequest, SchedulerStats
+from planaria.engine.messages import EngineCoreOutput, EngineCoreRequest, OutputErrorCode, SchedulerStats
 from planaria.engine.model_runner import ModelRunner
 from planaria.engine.models.loader import load_hf_config, model_fingerprint, sliding_window_limit
 from planaria.engine.request import FINISH_REASONS, Request, RequestStatus
@@ -25,6 +25,22 @@ from planaria.engine.scheduler import Scheduler, SchedulerOutput
 from planaria.engine.structured_output import StructuredOutputManager
 
 log = structlog.get_logger("planaria.engine")
+_ERROR_CODE_KEY = "_error_code"  # Request.extra: the OutputErrorCode of a request failed with an error
+
+
+def admission_error(request_id, exc: Exception) -> EngineCoreOutput:
+    """The error output of a request that could not be admitted or prepared: INVALID_REQUEST
+    when the request is at fault (InvalidRequestError, or RecursionError: input nested past
+    the interpreter's limit), else INTERNAL (logged with its traceback)."""
+    rid = request_id if isinstance(request_id, str) else str(request_id)
+    if isinstance(exc, InvalidRequestError):
+        code, text = OutputErrorCode.INVALID_REQUEST, str(exc)
+    elif isinstance(exc, RecursionError):
+        code, text = OutputErrorCode.INVALID_REQUEST, "request is nested too deeply to process"
+    else:
+        log.exception("could not admit a request", request_id=rid)
+        code, text = OutputErrorCode.INTERNAL, f"internal error preparing the request: {type(exc).__name__}: {exc}"
+    return EngineCoreOutput(request_id=rid, finish_reason="error", error=text, error_code=code.value)
 
 
 class EngineCore:
@@ -107,12 +123,12 @@ class EngineCore:
 
     # -- requests ---------------------------------------------------------------------------
     def add_request(self, ecr: EngineCoreRequest) -> None:
-        """Never raises for bad input: the request gets an error output on the next step."""
+        """Never raises: a request that cannot be admitted gets an error output on the next
+        step (admission_error says whose fault it was), and the engine serves on."""
         try:
             req = self._make_request(ecr)
-        except InvalidRequestError as exc:
-            self._pending_outputs.append(EngineCoreOutput(
-                request_id=str(getattr(ecr, "request_id", "")), finish_reason="error", error=str(exc)))
+        except Exception as exc:  # noqa: BLE001 - one request never stops the engine
+            self._pending_outputs.append(admission_error(getattr(ecr, "request_id", ""), exc))
             return
         self.scheduler.add_request(req)
 
@@ -173,9 +189,11 @@ class EngineCore:
         if reqs:
             self.aborts_queue.put(reqs)
 
-    def fail_requests(self, request_ids: list[str], error: str) -> None:
+    def fail_requests(self, request_ids: list[str], error: str,
+                      code: OutputErrorCode = OutputErrorCode.INTERNAL) -> None:
         for req in self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ERROR):
             req.error = error
+            req.extra[_ERROR_CODE_KEY] = code
             self._pending_outputs.append(self._output(req, []))
 
     def has_unfinished_requests(self) -> bool:
@@ -303,12 +321,13 @@ class EngineCore:
     def _output(self, req: Request, new_tokens: list[int]) -> EngineCoreOutput:
         reason = FINISH_REASONS.get(req.status)
         lp = req.extra.pop("_new_logprobs", None)
+        code = req.extra.get(_ERROR_CODE_KEY, OutputErrorCode.INTERNAL) if reason == "error" else None
         return EngineCoreOutput(
             request_id=req.request_id, new_token_ids=new_tokens, finish_reason=reason,
             stop_reason=req.stop_reason if reason == "stop" else None,
             new_logprobs=[lp] if lp is not None and new_tokens else None,
             num_cached_tokens=req.num_cached_tokens, error=req.error,
-            weight_version=self.weight_version)
+            error_code=code.value if code is not None else None, weight_version=self.weight_version)
 
     def _poll_grammars(self) -> list[EngineCoreOutput]:
         """Compiled grammars join the waiting queue; failed ones end their request."""
@@ -323,7 +342,7 @@ class EngineCore:
                 self.scheduler.grammar_ready(req)
         for req in failed:
             if req.status == RequestStatus.WAITING_FOR_GRAMMAR:
-                self.fail_requests([req.request_id], req.structured.error)
+                self.fail_requests([req.request_id], req.structured.error, req.structured.error_code)
         return self._take_pending()
 
     def _advance_grammar(self, req: Request) -> None:
@@ -331,9 +350,10 @@ class EngineCore:
         if verdict == "stop":
             req.stop_reason = None
             self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_STOPPED)
-        elif verdict is not None:
+        elif verdict is not None:  # a sampled token the mask should have excluded: ours
             self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_ERROR)
             req.error = verdict
+            req.extra[_ERROR_CODE_KEY] = OutputErrorCode.INTERNAL
 
     def take_iteration_details(self) -> list | None:
         """The steps recorded since the last call (EngineConfig.iteration_details), or None."""

@@ -7,7 +7,14 @@ The busy loop is the only thread that changes the core. It blocks on the input q
 idle, drains it when busy, steps, and pushes outputs (plus SchedulerStats when they
 change). The one exception: the input thread also puts ABORTs on the core's aborts queue
 (``EngineCore.queue_aborts``), which the step applies between the forward and its output
-update, so an abort that arrives mid-forward gets no token from that step. Faults: a ``RequestExecutionError`` fails those requests and the loop goes on; any
+update, so an abort that arrives mid-forward gets no token from that step.
+
+One request never kills the engine: a message that does not decode is answered by the input
+thread (engine/proc_io.py), whatever admitting a request raises becomes its error output
+(``EngineCore.add_request``, ``error_code`` invalid_request or internal), and a request that
+finds ``EngineConfig.max_num_waiting`` requests waiting is answered "overloaded" at once.
+
+Faults: a ``RequestExecutionError`` fails those requests and the loop goes on; any
 other exception makes the engine UNHEALTHY and, unless a "reset"/"resume" utility call
 comes within ``recovery_timeout_s``, it dies: ENGINE_CORE_DEAD to every frontend, sockets
 lingered, exit code 1 (EXIT_DEAD). A frontend that finds a config hash unlike its own in
@@ -51,7 +58,7 @@ from planaria.engine.lifecycle import (EXIT_CONFIG_MISMATCH, EXIT_DEAD, EXIT_HAN
                                        EXIT_USAGE, AbandonStart, Action, Die, EngineExit, EngineLifecycle,
                                        EngineState, Refused, ResetPrefixCache, RollBack, SetState, Signalled,
                                        Step, Stop, Wait, Wake)
-from planaria.engine.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
+from planaria.engine.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, OutputErrorCode
 from planaria.engine.proc_entry import json_arg, setup_logging
 from planaria.engine.proc_io import FrontendLink, InputThread, OutputThread, handshake, send_all
 from planaria.engine.wire import (DEFAULT_MAX_MESSAGE_BYTES, PROTOCOL_VERSION, EngineDead, EngineStatus,
@@ -262,15 +269,29 @@ class EngineCoreProc:
             self._carry_out(self.lifecycle.on_wakeup(time.monotonic()))
 
     def _add(self, slot: int, req: EngineCoreRequest) -> None:
-        refusal = self.lifecycle.refusal_for_new_request()
+        """Admit one request, or answer it at once with an error output: refused by the
+        lifecycle (draining, unhealthy: "overloaded", try elsewhere), a duplicate id
+        ("invalid_request"), or the waiting queue at max_num_waiting ("overloaded")."""
+        refusal, code = self.lifecycle.refusal_for_new_request(), OutputErrorCode.OVERLOADED
         if refusal is None and req.request_id in self._req_slot:
-            refusal = f"request id {req.request_id!r} is already in use"
+            refusal, code = f"request id {req.request_id!r} is already in use", OutputErrorCode.INVALID_REQUEST
+        if refusal is None:
+            num_waiting, limit = self.core.get_stats().num_waiting, self.config.waiting_limit
+            if num_waiting >= limit:
+                refusal = (f"engine {self.engine_index} is overloaded: {num_waiting} requests are "
+                           f"waiting (max_num_waiting={limit}); retry later or elsewhere")
         if refusal is not None:
-            self._send_outputs(slot, [EngineCoreOutput(request_id=req.request_id,
-                                                       finish_reason="error", error=refusal)])
+            self._send_outputs(slot, [EngineCoreOutput(request_id=req.request_id, finish_reason="error",
+                                                       error=refusal, error_code=code.value)])
             return
         self._req_slot[req.request_id] = slot
-        self.core.add_request(req)  # never raises for bad input: an error output follows
+        try:
+            self.core.add_request(req)  # never raises by contract: an error output follows
+        except Exception as exc:  # noqa: BLE001 - a core that breaks it still fails only this request
+            from planaria.engine.core import admission_error  # loaded already: it built the core
+
+            self._req_slot.pop(req.request_id, None)
+            self._send_outputs(slot, [admission_error(req.request_id, exc)])
 
     def _step(self) -> None:
         core = self.core

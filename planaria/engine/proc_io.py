@@ -12,12 +12,13 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import zmq
 
+from planaria.common.sockets import CurveClientKeys, engine_curve_keys, set_curve_client
 from planaria.engine.errors import ConfigMismatchError, EngineHandshakeError, WireFormatError
-from planaria.engine.messages import EngineCoreOutput, EngineCoreOutputs
+from planaria.engine.messages import EngineCoreOutput, EngineCoreOutputs, OutputErrorCode
 from planaria.engine.wire import (ENGINE_INPUT_TYPES, PROTOCOL_VERSION, HandshakeInit, Hello, MsgType,
                          UtilityErrorCode, UtilityResult, WireDecoder, WireEncoder, WireError,
                          engine_identity, recover_call_id)
@@ -26,6 +27,11 @@ log = logging.getLogger(__name__)
 
 _HELLO_RESEND_S = 2.0
 _STOP = object()
+
+
+def _should_log(count: int) -> bool:
+    """Per-message warnings: the first 20, then every 1000th (a flood must not fill the log)."""
+    return count <= 20 or count % 1000 == 0
 
 
 @dataclass
@@ -38,12 +44,18 @@ class FrontendLink:
     output_address: str | None = None
     client_index: int = 0
     settings: dict[str, Any] = field(default_factory=dict)
+    curve: CurveClientKeys | None = None  # a CurveZMQ link (TCP to an extra client): both sockets
 
 
 def handshake(ctx: zmq.Context, engine_index: int, input_addresses: list[str],
               output_addresses: list[str] | None, timeout_s: float,
-              should_stop=lambda: False) -> list[FrontendLink]:
+              should_stop=lambda: False,
+              curve: Mapping[str, CurveClientKeys] | None = None) -> list[FrontendLink]:
     """Connect a DEALER per frontend, send HELLO, collect every HANDSHAKE_INIT.
+
+    ``curve``: {input address: keys} of the links that are CurveZMQ clients (default: what
+    ``PLANARIA_ENGINE_CURVE`` gives, common/sockets.py); with a wrong server key the link
+    never connects, and the handshake times out like with an absent frontend.
 
     HELLO is re-sent every few seconds (a frontend that restarts before answering loses
     it). Raises ConfigMismatchError on a reject or a protocol mismatch, and
@@ -52,13 +64,22 @@ def handshake(ctx: zmq.Context, engine_index: int, input_addresses: list[str],
     enc, dec = WireEncoder(reuse_buffer=False), WireDecoder(ENGINE_INPUT_TYPES)
     hello = enc.encode(MsgType.HELLO, Hello(engine_index=engine_index, pid=os.getpid(),
                                              protocol_version=PROTOCOL_VERSION))
+    if curve is None:
+        try:
+            curve = engine_curve_keys()
+        except ValueError as exc:
+            raise EngineHandshakeError(f"CurveZMQ keys: {exc}") from exc
     links = []
     for slot, addr in enumerate(input_addresses):
         sock = ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.IDENTITY, engine_identity(engine_index))
         sock.setsockopt(zmq.LINGER, 0)
+        keys = curve.get(addr)
+        if keys is not None:
+            set_curve_client(sock, keys)
         sock.connect(addr)
-        links.append(FrontendLink(slot=slot, input_address=addr, dealer=sock, client_index=slot))
+        links.append(FrontendLink(slot=slot, input_address=addr, dealer=sock, client_index=slot,
+                                  curve=keys))
     pending = {link.dealer: link for link in links}
     poller = zmq.Poller()
     for sock in pending:
@@ -114,7 +135,8 @@ class InputThread(threading.Thread):
 
     A malformed message never reaches the busy loop: it is logged and answered here (error
     output when a request id can be recovered, a failed UtilityResult for a utility call,
-    else an ERROR notice).
+    else an ERROR notice). Nothing one message does ends this thread: any exception is
+    logged (rate-limited) and counted (``num_malformed``, ``num_failed``).
     """
 
     def __init__(self, engine_index: int, links: list[FrontendLink], input_queue: queue.SimpleQueue,
@@ -129,7 +151,8 @@ class InputThread(threading.Thread):
         self.input_queue = input_queue
         self.output_queue = output_queue
         self.decoder = WireDecoder(ENGINE_INPUT_TYPES, max_message_bytes=max_message_bytes)
-        self.num_malformed = 0
+        self.num_malformed = 0  # messages that did not decode (answered, see _malformed)
+        self.num_failed = 0  # messages whose handling raised (a bug: logged, skipped)
         self._stop_event = threading.Event()
 
     def stop(self) -> None:
@@ -150,18 +173,32 @@ class InputThread(threading.Thread):
                             frames = sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
                         except zmq.Again:
                             break
-                        self._handle(by_sock[sock].slot, [f.buffer for f in frames])
+                        self._handle_guarded(by_sock[sock].slot, [f.buffer for f in frames])
         except zmq.ContextTerminated:
             pass
         finally:
             for link in self.links:
                 link.dealer.close(linger=0)
 
+    def _handle_guarded(self, slot: int, frames: list) -> None:
+        """One message; whatever it raises is logged and counted, and the thread reads on
+        (a reader that ends would leave every later request unanswered)."""
+        try:
+            self._handle(slot, frames)
+        except Exception:  # noqa: BLE001 - one message never stops the reader
+            self.num_failed += 1
+            if _should_log(self.num_failed):
+                log.exception("input thread: message #%d from frontend %d failed; reading on",
+                              self.num_failed, slot)
+
     def _handle(self, slot: int, frames: list) -> None:
         try:
             msg_type, msg = self.decoder.decode(frames)
         except WireFormatError as exc:
             self._malformed(slot, frames, exc)
+            return
+        except Exception as exc:  # noqa: BLE001 - WireDecoder wraps decode errors; a bug, then
+            self._malformed(slot, frames, WireFormatError(f"undecodable message: {type(exc).__name__}: {exc}"))
             return
         if msg_type == MsgType.HANDSHAKE_INIT:
             return  # a late answer to a re-sent HELLO
@@ -178,11 +215,12 @@ class InputThread(threading.Thread):
 
     def _malformed(self, slot: int, frames: list, exc: WireFormatError) -> None:
         self.num_malformed += 1
-        if self.num_malformed <= 20 or self.num_malformed % 1000 == 0:
+        if _should_log(self.num_malformed):
             log.warning("malformed message #%d from frontend %d: %s", self.num_malformed, slot, exc)
         if exc.request_id is not None and exc.msg_type == MsgType.ADD:
             out = EngineCoreOutput(request_id=exc.request_id, finish_reason="error",
-                                   error=f"malformed request: {exc}")
+                                   error=f"malformed request: {exc}",
+                                   error_code=OutputErrorCode.INVALID_REQUEST.value)
             self.output_queue.put((slot, MsgType.OUTPUTS, EngineCoreOutputs(
                 engine_index=self.engine_index, outputs=[out], timestamp=time.time())))
             return
@@ -217,6 +255,8 @@ class OutputThread(threading.Thread):
             sock = ctx.socket(zmq.PUSH)
             sock.setsockopt(zmq.LINGER, linger_ms)
             sock.setsockopt(zmq.SNDTIMEO, send_timeout_ms)
+            if link.curve is not None:  # the same server's PULL
+                set_curve_client(sock, link.curve)
             sock.connect(link.output_address)
             self._socks.append(sock)
 

@@ -31,18 +31,24 @@ import structlog
 import torch
 
 from planaria.engine.errors import GrammarError, InvalidRequestError
+from planaria.engine.messages import OutputErrorCode
 from planaria.engine.request import Request, RequestStatus
 
 log = structlog.get_logger("planaria.engine.structured_output")
 
 SPEC_TYPES = ("json_object", "json_schema", "regex", "choice", "grammar")
+# Nesting levels (objects and arrays) a json_schema may have. Real schemas stay far below;
+# llguidance's schema compiler recurses natively and crashes the whole process (SIGSEGV,
+# measured at a few thousand levels), so a deeper one is refused up front.
+MAX_SCHEMA_DEPTH = 256
 _SHIFTS = torch.arange(32, dtype=torch.int32)
 _CACHE_SIZE = 64
 
 
 def grammar_source(spec: dict) -> str:
-    """The llguidance grammar text for ``spec``; InvalidRequestError for a malformed spec
-    (a schema or regex that does not compile fails later, in compile)."""
+    """The llguidance grammar text for ``spec``; InvalidRequestError for a malformed spec,
+    one nested too deeply included (a schema or regex that does not compile fails later,
+    in compile)."""
     import llguidance
 
     if not isinstance(spec, dict) or spec.get("type") not in SPEC_TYPES:
@@ -58,6 +64,9 @@ def grammar_source(spec: dict) -> str:
                 value = json.loads(value)
             if not isinstance(value, dict):
                 raise InvalidRequestError("json_schema value must be a JSON object (a schema)")
+            if json_depth(value, MAX_SCHEMA_DEPTH) > MAX_SCHEMA_DEPTH:
+                raise InvalidRequestError(f"structured_output json_schema is nested deeper than "
+                                          f"{MAX_SCHEMA_DEPTH} levels")
             return llguidance.LLMatcher.grammar_from_json_schema(value, overrides=compact)
         if kind == "choice":
             if not isinstance(value, list) or not value or not all(isinstance(c, str) for c in value):
@@ -70,18 +79,40 @@ def grammar_source(spec: dict) -> str:
         return llguidance.grammar_from("grammar", value)
     except ValueError as exc:  # json.JSONDecodeError included
         raise InvalidRequestError(f"structured_output {kind}: {exc}") from exc
+    except RecursionError as exc:  # json.loads of a JSON text nested past the recursion limit
+        raise InvalidRequestError(f"structured_output {kind} is nested too deeply") from exc
+
+
+def json_depth(value, limit: int) -> int:
+    """Nesting depth of dicts and lists in ``value`` (a scalar is 0), counted without
+    recursion; stops early once past ``limit`` (returns limit + 1)."""
+    depth, stack = 0, [(value, 1)]
+    while stack:
+        node, level = stack.pop()
+        if isinstance(node, dict):
+            children = node.values()
+        elif isinstance(node, list):
+            children = node
+        else:
+            continue
+        depth = max(depth, level)
+        if depth > limit:
+            return limit + 1
+        stack.extend((child, level + 1) for child in children)
+    return depth
 
 
 class RequestGrammar:
     """One request's grammar state (``Request.structured``)."""
 
-    __slots__ = ("source", "prefix_tokens", "matcher", "error")
+    __slots__ = ("source", "prefix_tokens", "matcher", "error", "error_code")
 
     def __init__(self, source: str, prefix_tokens: list[int]) -> None:
         self.source = source
         self.prefix_tokens = prefix_tokens
         self.matcher = None  # llguidance.LLMatcher once compiled
         self.error: str | None = None
+        self.error_code = OutputErrorCode.INVALID_REQUEST  # with error: whose fault it is
 
     @property
     def done(self) -> bool:
@@ -162,11 +193,14 @@ class StructuredOutputManager:
                 raise GrammarError("structured_output_prefix_tokens do not match the grammar: "
                                    f"{matcher.get_error()}")
             grammar.matcher = matcher
-        except GrammarError as exc:
+        except GrammarError as exc:  # the request's grammar: INVALID_REQUEST
             grammar.error = str(exc)
+        except RecursionError as exc:  # the grammar text is nested too deeply to process
+            grammar.error = f"grammar nested too deeply: {exc}"
         except Exception as exc:  # llguidance/tokenizer failures: this request's error only
             log.exception("grammar compile failed")
             grammar.error = f"grammar compile failed: {type(exc).__name__}: {exc}"
+            grammar.error_code = OutputErrorCode.INTERNAL
 
     def _matcher(self, source: str):
         import llguidance

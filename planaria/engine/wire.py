@@ -22,7 +22,8 @@ HELLO; the frontend answers HANDSHAKE_INIT (its PULL address and settings) or
 HANDSHAKE_REJECT; the engine loads, connects PUSH, and sends READY on the DEALER. A
 frontend that refuses READY (its config hash differs) answers HANDSHAKE_REJECT with the
 reason, and the engine exits with ``engine.proc.EXIT_CONFIG_MISMATCH``.
-No pickle anywhere: unknown types and bad payloads raise ``WireFormatError``.
+No pickle anywhere: unknown types and bad payloads raise ``WireFormatError``, whatever the
+decoder raised (a payload nested too deeply makes msgspec raise RecursionError).
 """
 
 from __future__ import annotations
@@ -317,13 +318,13 @@ class WireDecoder:
                 obj = self._unpack_logprobs(obj, frames)
             elif len(frames) != 2:
                 raise WireFormatError(f"{TYPE_NAMES[msg_type]} with {len(frames)} frames")
-        except (msgspec.DecodeError, msgspec.ValidationError, ValueError, TypeError) as exc:
-            if isinstance(exc, WireFormatError):
-                exc.msg_type = msg_type
-                exc.request_id = exc.request_id or _recover_id(frames)
-                raise
-            raise WireFormatError(f"bad {TYPE_NAMES[msg_type]} payload: {exc}", msg_type=msg_type,
-                                  request_id=_recover_id(frames)) from exc
+        except WireFormatError as exc:
+            exc.msg_type = msg_type
+            exc.request_id = exc.request_id or _recover_id(frames)
+            raise
+        except Exception as exc:  # noqa: BLE001 - RecursionError (deep nesting) included
+            raise WireFormatError(f"bad {TYPE_NAMES[msg_type]} payload: {_decode_failure(exc)}",
+                                  msg_type=msg_type, request_id=_recover_id(frames)) from exc
         return msg_type, obj
 
     def _unpack_logprobs(self, outs: EngineCoreOutputs, frames: list) -> EngineCoreOutputs:
@@ -366,19 +367,62 @@ def _aux_list(frame, dtype: str) -> list:
     return np.frombuffer(frame, dtype=dtype).tolist()
 
 
+def _decode_failure(exc: Exception) -> str:
+    """What went wrong decoding a payload, for the sender: msgspec raises RecursionError
+    for nesting deeper than the interpreter's recursion limit."""
+    if isinstance(exc, RecursionError):
+        return "nested too deeply"
+    return str(exc) or type(exc).__name__
+
+
 def _recover_id(frames: list) -> str | None:
     """Best effort: the request_id of a message whose payload failed its schema."""
     if len(frames) < 2:
         return None
     try:
         obj = msgspec.msgpack.decode(frames[1])
-    except (msgspec.DecodeError, ValueError, TypeError):
-        return None
+    except Exception:  # noqa: BLE001 - best effort: a deeply nested payload raises RecursionError
+        return _leading_str_field(frames[1], b"request_id")
     if isinstance(obj, dict):
         rid = obj.get("request_id")
         if isinstance(rid, str) and 0 < len(rid) <= 1024:
             return rid
     return None
+
+
+def _leading_str_field(payload, name: bytes) -> str | None:
+    """The string value of ``name`` when it is the first key of the msgpack map ``payload``
+    (structs are encoded in field order: request_id leads an ADD), read without decoding the
+    rest, which may be nested too deeply to decode at all; None otherwise."""
+    buf = bytes(memoryview(payload)[:2048])
+
+    def read_str(pos: int) -> tuple[bytes, int] | None:
+        if pos >= len(buf):
+            return None
+        head = buf[pos]
+        if 0xA0 <= head <= 0xBF:
+            size, pos = head & 0x1F, pos + 1
+        elif head == 0xD9 and pos + 1 < len(buf):
+            size, pos = buf[pos + 1], pos + 2
+        elif head == 0xDA and pos + 2 < len(buf):
+            size, pos = int.from_bytes(buf[pos + 1:pos + 3], "big"), pos + 3
+        else:
+            return None
+        return (buf[pos:pos + size], pos + size) if pos + size <= len(buf) else None
+
+    if not buf:
+        return None
+    pos = {0xDE: 3, 0xDF: 5}.get(buf[0], 1 if 0x81 <= buf[0] <= 0x8F else 0)
+    key = read_str(pos) if pos else None
+    if key is None or key[0] != name:
+        return None
+    value = read_str(key[1])
+    if value is None or not value[0]:
+        return None
+    try:
+        return value[0].decode()
+    except UnicodeDecodeError:
+        return None
 
 
 def recover_call_id(frames: list) -> int | None:
@@ -387,7 +431,7 @@ def recover_call_id(frames: list) -> int | None:
         return None
     try:
         obj = msgspec.msgpack.decode(frames[1])
-    except (msgspec.DecodeError, ValueError, TypeError):
+    except Exception:  # noqa: BLE001 - best effort, as _recover_id
         return None
     if isinstance(obj, dict):
         cid = obj.get("call_id")

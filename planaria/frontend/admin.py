@@ -126,6 +126,11 @@ class EngineAdmin:
         return {i: s["version"] for i, s in status["engines"].items() if s.get("version")}
 
 
+def _should_log(count: int) -> bool:
+    """Per-message warnings: the first 20, then every 1000th (a flood must not fill the log)."""
+    return count <= 20 or count % 1000 == 0
+
+
 def _reason(exc: BaseException) -> str:
     if isinstance(exc, asyncio.TimeoutError):
         return "the engine did not answer in time"
@@ -145,6 +150,8 @@ class AdminSocket:
         self._sock = None
         self._task: asyncio.Task | None = None
         self._handlers: set[asyncio.Task] = set()
+        self.num_malformed = 0  # requests with the wrong framing or that did not decode
+        self.num_failed = 0  # requests whose answer raised (a bug: logged, left unanswered)
 
     def start(self) -> None:
         self._ctx = zmq.asyncio.Context()
@@ -155,26 +162,34 @@ class AdminSocket:
         self._task = asyncio.create_task(self._serve(), name="frontend-admin")
 
     async def _serve(self) -> None:
+        """Read requests until closed; no request ends this loop (see _answer)."""
         while True:
             frames = await self._sock.recv_multipart()
             if len(frames) != 3 or frames[1] != b"":
-                log.warning("admin socket: dropping a message of %d frames", len(frames))
+                self.num_malformed += 1
+                if _should_log(self.num_malformed):
+                    log.warning("admin socket: dropping a message of %d frames", len(frames))
                 continue
             task = asyncio.create_task(self._answer(frames[0], frames[2]))
             self._handlers.add(task)
             task.add_done_callback(self._handlers.discard)
 
     async def _answer(self, identity: bytes, payload: bytes) -> None:
-        reply = await self.dispatch(payload)
         try:
+            reply = await self.dispatch(payload)
             await self._sock.send_multipart([identity, b"", encode(reply)])
         except zmq.ZMQError as exc:  # the caller went away
             log.warning("admin socket: reply not sent: %s", exc)
+        except Exception:  # noqa: BLE001 - a bug: logged and counted, the socket serves on
+            self.num_failed += 1
+            if _should_log(self.num_failed):
+                log.exception("admin socket: request #%d failed unanswered", self.num_failed)
 
     async def dispatch(self, payload: bytes) -> Ok | Err:
         try:
             request = decode_request(payload)
-        except msgspec.DecodeError as exc:
+        except msgspec.DecodeError as exc:  # the only error it raises, deep nesting included
+            self.num_malformed += 1
             return Err("", ErrorCode.BAD_ARGUMENT, f"malformed admin request: {exc}")
         try:
             if request.command not in self.COMMANDS:

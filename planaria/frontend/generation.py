@@ -91,7 +91,11 @@ class Generator:
                 entry = self.journal.get(rid)
                 if entry.engine_index is None and entry.lost_at_s is None:
                     self.journal.on_submitted(rid, engine_of(entry.engine_request_id))
-        self.journal.on_engine_dead(engine_index)
+        died_s = None  # when it died: the engine's own report, else the supervisor's
+        for info in getattr(self._client, "engines", None) or ():
+            if getattr(info, "index", None) == engine_index:
+                died_s = getattr(info, "fault_monotonic_s", None) or None
+        self.journal.on_engine_dead(engine_index, died_s)
 
     async def _engine_outputs(self, request: EngineCoreRequest) -> AsyncIterator[EngineCoreOutput]:
         """The engine's outputs for ``request``, across engine faults (replayed elsewhere);
@@ -103,6 +107,7 @@ class Generator:
         try:
             while True:
                 try:
+                    journal.on_sent(rid, time.monotonic())
                     async with contextlib.aclosing(self._client.generate(current)) as outs:
                         async for out in outs:
                             if out.new_token_ids:

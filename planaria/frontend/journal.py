@@ -17,11 +17,22 @@ was replayed. When an engine dies the requests it held are marked lost; for each
   journal's: the caller keeps feeding the same one, so stop strings are checked over the
   whole text and nothing is re-emitted. A structured-output request also carries the
   streamed tokens as ``structured_output_prefix_tokens``, so its grammar resumes there.
-- ``FailRequest(reason, code)``: the replay limit is reached (or nothing is left to do);
-  the client gets an explicit error.
+- ``FailRequest(reason, code)``: the client gets an explicit error instead of a replay:
+  ``"request_done"`` (nothing is left to do), ``"quarantined"`` (the request was in flight
+  on ``quarantine_after`` engines that died, 2 by default: it is likely what kills them,
+  and replaying it again would take one more engine down), or ``"replay_limit"``
+  (``max_replays`` replays were made). A loss counts as a death here whatever ended the
+  engine, with one exception: when both the engine's death time and the time the
+  request's current incarnation was sent are known (``on_sent``, ``on_engine_dead(...,
+  died_monotonic_s)``: CLOCK_MONOTONIC, one clock for a machine's processes), a death
+  from before the send is not counted: the request never ran there (two engines killed
+  at once: the first one's requests, replayed onto the second before its death notice
+  arrived, did not kill it). ``quarantine_after=0`` turns the quarantine off, leaving
+  ``max_replays`` alone to bound the replays.
 
     journal = RequestJournal(max_replays=3)
     journal.open(ecr)                         # before the first submission
+    journal.on_sent(rid, time.monotonic())    # its current incarnation leaves for an engine
     journal.on_submitted(rid, engine_index)   # the engine it went to
     journal.on_tokens(rid, out.new_token_ids)  # after each output reaches the client
     lost = journal.on_engine_dead(0)          # ids of requests that were on engine 0
@@ -41,6 +52,7 @@ import msgspec
 from planaria.engine.messages import EngineCoreRequest
 
 DEFAULT_MAX_REPLAYS = 3
+DEFAULT_QUARANTINE_AFTER = 2  # engines that died with the request in flight
 REPLAY_ID_SEP = "~r"
 
 
@@ -51,7 +63,10 @@ class JournalEntry:
     engine_request_id: str = ""  # the id of the current incarnation in the engine
     output_token_ids: list[int] = field(default_factory=list)  # streamed to the client
     num_replays: int = 0
+    num_engine_deaths: int = 0  # engines lost with this request in flight (decide counts them)
     lost_at_s: float | None = None  # when its engine's loss became known (journal clock)
+    sent_monotonic_s: float | None = None  # when the current incarnation was sent (on_sent)
+    died_monotonic_s: float | None = None  # when the engine it was lost with died, if known
     awaiting_first_token: bool = False  # replayed, no token from the replay yet
 
     @property
@@ -74,18 +89,23 @@ class FailRequest:
     """Do not replay: the request ends with an explicit error (``code`` for the metrics)."""
 
     reason: str
-    code: str  # "replay_limit" | "request_done"
+    code: str  # "request_done" | "quarantined" | "replay_limit"
 
 
 class RequestJournal:
     def __init__(self, max_replays: int = DEFAULT_MAX_REPLAYS,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 quarantine_after: int = DEFAULT_QUARANTINE_AFTER) -> None:
         if max_replays < 0:
             raise ValueError(f"max_replays must be >= 0, got {max_replays}")
+        if quarantine_after < 0:
+            raise ValueError(f"quarantine_after must be >= 0, got {quarantine_after}")
         self.max_replays = max_replays
+        self.quarantine_after = quarantine_after
         self._clock = clock
         self._entries: dict[str, JournalEntry] = {}
         self.num_replays_total = 0
+        self.num_quarantined_total = 0
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -110,6 +130,11 @@ class RequestJournal:
     def close(self, request_id: str) -> None:
         self._entries.pop(request_id, None)
 
+    def on_sent(self, request_id: str, monotonic_s: float) -> None:
+        """Its current incarnation is being sent to an engine (time.monotonic())."""
+        entry = self._entries[request_id]
+        entry.sent_monotonic_s, entry.died_monotonic_s = monotonic_s, None
+
     def on_submitted(self, request_id: str, engine_index: int | None) -> None:
         self._entries[request_id].engine_index = engine_index
 
@@ -128,13 +153,15 @@ class RequestJournal:
         return None if lost_at is None else self._clock() - lost_at
 
     # -- faults -------------------------------------------------------------------------
-    def on_engine_dead(self, engine_index: int) -> list[str]:
-        """Mark every request on that engine lost; returns their ids (to replay)."""
+    def on_engine_dead(self, engine_index: int, died_monotonic_s: float | None = None) -> list[str]:
+        """Mark every request on that engine lost; returns their ids (to replay).
+        ``died_monotonic_s``: when the engine died (time.monotonic()), if known."""
         now = self._clock()
         lost = []
         for entry in self._entries.values():
             if entry.engine_index == engine_index:
                 self._mark_lost(entry, now)
+                entry.died_monotonic_s = died_monotonic_s
                 lost.append(entry.request_id)
         return lost
 
@@ -150,13 +177,22 @@ class RequestJournal:
             entry.lost_at_s = now
 
     def decide(self, request_id: str) -> Replay | FailRequest:
+        """Call once per loss of the request's current incarnation (its engine died)."""
         entry = self._entries[request_id]
         if entry.lost_at_s is None:
             self.on_lost(request_id)
+        if not (entry.died_monotonic_s is not None and entry.sent_monotonic_s is not None
+                and entry.died_monotonic_s < entry.sent_monotonic_s):
+            entry.num_engine_deaths += 1  # not when the engine was dead before it was sent
+        entry.sent_monotonic_s = entry.died_monotonic_s = None
         p = entry.request.sampling_params
         n = entry.num_output_tokens
         if p.max_tokens is not None and n >= p.max_tokens:
             return FailRequest(f"all {p.max_tokens} tokens were already produced", "request_done")
+        if self.quarantine_after and entry.num_engine_deaths >= self.quarantine_after:
+            self.num_quarantined_total += 1
+            return FailRequest(f"request quarantined: in flight on {entry.num_engine_deaths} engines "
+                               "that died; it is not replayed again", "quarantined")
         if entry.num_replays >= self.max_replays:
             return FailRequest(f"the request's engine failed {entry.num_replays + 1} times "
                                f"(replay limit {self.max_replays})", "replay_limit")

@@ -259,3 +259,44 @@ def test_curve_client_allow_list(runtime_dir, server_keys):
             stranger_client.call("echo")
     finally:
         server.close()
+
+
+def test_fuzz_random_and_deeply_nested_requests_never_stop_the_server(threaded_server, runtime_dir):
+    """Real sockets, the server on its own thread (as the supervisor's loop runs it):
+    noise, mutated requests and msgpack nested past msgspec's recursion limit are answered
+    BAD_ARGUMENT or dropped, and a well-formed call still gets its answer."""
+    import random
+
+    from tests.common._admin_fuzz import DEEP_LIST, deep_request, fuzz_frames
+
+    dealer = zmq.Context.instance().socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    try:
+        dealer.connect(f"ipc://{control_socket_path(runtime_dir)}")
+        for payload, why in ((DEEP_LIST, "Expected `object`"), (deep_request(), "nested too deeply")):
+            dealer.send_multipart([b"", payload])  # each answered, and told why
+            assert dealer.poll(10_000), "no answer: the server loop ended"
+            _, reply = dealer.recv_multipart()
+            reply = decode_reply(reply)
+            assert isinstance(reply, Err) and reply.code is ErrorCode.BAD_ARGUMENT
+            assert why in reply.reason, reply.reason
+        for frames in fuzz_frames(random.Random(4321), 600):
+            dealer.send_multipart(frames)
+        # the same socket still gets answers, after everything sent before
+        dealer.send_multipart([b"", encode(AdminRequest(id="last", command="echo", args={"n": 1}))])
+        deadline = 60_000
+        while True:
+            assert dealer.poll(deadline), "no answer to the last request"
+            frames = dealer.recv_multipart()
+            try:
+                reply = decode_reply(frames[-1])
+            except msgspec.DecodeError:
+                continue
+            if reply.id == "last":
+                break
+        assert isinstance(reply, Ok) and reply.data["args"] == {"n": 1}
+    finally:
+        dealer.close(0)
+    assert threaded_server._thread.is_alive()
+    assert threaded_server.num_malformed > 10
+    assert ControlClient(runtime_dir, timeout_s=10.0).call("echo", x=2)["args"] == {"x": 2}

@@ -80,3 +80,35 @@ def test_non_sampling_params_is_a_clear_error(llm, params, got):
     assert outs[0].finish_reason == "length" and len(outs[0].token_ids) == 4
     assert outs[1].finish_reason == "error" and "must be SamplingParams" in outs[1].error
     assert not llm.core.has_unfinished_requests()
+
+
+def _finished(core) -> dict:
+    finished = {}
+    while core.has_unfinished_requests():
+        for o in core.step()[0]:
+            if o.finished:
+                finished[o.request_id] = o
+    return finished
+
+
+def test_any_exception_while_admitting_fails_only_that_request_with_a_code(llm):
+    """EngineCore.add_request never raises: the request at fault gets invalid_request, an
+    unexpected exception internal (with its type in the text), the others run."""
+    from planaria.engine.messages import OutputErrorCode
+
+    core = llm.core
+    deep = EngineCoreRequest(request_id="deep", prompt_token_ids=[5, 6], sampling_params=GOOD,
+                             structured_output={"type": "json_schema", "value": "[" * 200_000})
+    core.add_request(deep)  # json.loads raises RecursionError inside add_request
+    broken = EngineCoreRequest(request_id="broken", prompt_token_ids=[5, 6], sampling_params=GOOD)
+    broken.sampling_params = None  # not a SamplingParams: AttributeError, a non-request error type
+    core.add_request(broken)
+    core.add_request(EngineCoreRequest(request_id="fine", prompt_token_ids=[5, 6, 7], sampling_params=GOOD))
+    core.add_request(EngineCoreRequest(request_id="", prompt_token_ids=[5], sampling_params=GOOD))
+    got = _finished(core)
+    assert got["deep"].finish_reason == "error" and "nested too deeply" in got["deep"].error
+    assert got["deep"].error_code == OutputErrorCode.INVALID_REQUEST.value
+    assert got["broken"].error_code == OutputErrorCode.INTERNAL.value
+    assert got["broken"].error.startswith("internal error preparing the request: AttributeError")
+    assert got[""].error_code == OutputErrorCode.INVALID_REQUEST.value
+    assert got["fine"].finish_reason == "length" and got["fine"].error_code is None

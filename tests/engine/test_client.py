@@ -417,3 +417,76 @@ def test_engine_info_state_takes_every_lifecycle_state_and_prints_as_before():
     state = EngineInfoState.RUNNING
     assert (str(state), f"{state}", "%s" % state, json.dumps(state)) == ("running", "running", "running", '"running"')
     assert msgspec.json.encode({"state": state}) == b'{"state":"running"}' and state == "running"
+
+
+DEEP = b"\x91" * 100_000 + b"\xc0"  # msgpack: a list in a list ... 100,000 deep: RecursionError in msgspec
+
+
+def test_readers_survive_deeply_nested_frames_and_deliver_the_next_good_one(tmp_path_factory):
+    """A fake engine on real ZMQ sockets: after deeply nested (and otherwise bad) frames on
+    both the ROUTER and the PULL socket, the handshake, an output and a utility result
+    still get through: neither reader task ended."""
+    from planaria.engine.messages import EngineCoreOutput, EngineCoreOutputs
+    from planaria.engine.wire import UtilityResult
+
+    lt = LoopThread()
+    tmp = tmp_path_factory.mktemp("deep")
+    client = EngineClient(num_engines=1, runtime_dir=tmp)
+    in_addr, out_addr = client.bind()
+    ctx = zmq.Context()
+    enc, dec = WireEncoder(reuse_buffer=False), WireDecoder(ENGINE_INPUT_TYPES)
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.IDENTITY, engine_identity(0))
+    dealer.setsockopt(zmq.LINGER, 0)
+    push = ctx.socket(zmq.PUSH)
+    push.setsockopt(zmq.LINGER, 0)
+    try:
+        lt.run(client.start(wait_ready=False))
+        dealer.connect(in_addr)
+        for frames in ([MsgType.HELLO, DEEP], [MsgType.READY, DEEP], [MsgType.HELLO, b"\xc1"], [b"\x99"]):
+            dealer.send_multipart(frames)
+        dealer.send_multipart(enc.encode(MsgType.HELLO, Hello(engine_index=0, pid=4242,
+                                                             protocol_version=PROTOCOL_VERSION)))
+        assert dealer.poll(10_000), "the ROUTER reader stopped after the nested frames"
+        t, init = dec.decode(dealer.recv_multipart())
+        assert t == MsgType.HANDSHAKE_INIT
+        push.connect(init.addresses["output"])
+        dealer.send_multipart(enc.encode(MsgType.READY, Ready(
+            engine_index=0, num_kv_blocks=8, max_model_len=64, protocol_version=PROTOCOL_VERSION,
+            config_hash="h", kv_cache_bytes=1, kv_source="given", pid=4242)))
+        lt.run(client.wait_for_engines(1, 10.0))
+
+        async def generate_one():
+            return await asyncio.wait_for(_collect(client, request("good", max_tokens=1)), 20)
+
+        fut = asyncio.run_coroutine_threadsafe(generate_one(), lt.loop)
+        assert dealer.poll(10_000)
+        t, add = dec.decode(dealer.recv_multipart())
+        assert t == MsgType.ADD and add.request_id == "good"
+        for frames in ([MsgType.OUTPUTS, DEEP], [MsgType.UTILITY_RESULT, DEEP], [MsgType.STATUS, DEEP],
+                       [MsgType.OUTPUTS, b"\x91" * 2000 + b"\xc0", b"x", b"y", b"z"], [MsgType.OUTPUTS]):
+            push.send_multipart(frames)
+        push.send_multipart(enc.encode(MsgType.OUTPUTS, EngineCoreOutputs(engine_index=0, outputs=[
+            EngineCoreOutput(request_id="good", new_token_ids=[7], finish_reason="length")])))
+        outs = fut.result(30)
+        assert [(o.new_token_ids, o.finish_reason) for o in outs] == [([7], "length")]
+        assert client.num_bad_messages >= 8
+
+        async def call():
+            return await client.call_utility(0, "ping", timeout_s=20)
+
+        fut = asyncio.run_coroutine_threadsafe(call(), lt.loop)
+        assert dealer.poll(10_000)
+        t, utility = dec.decode(dealer.recv_multipart())
+        assert t == MsgType.UTILITY
+        push.send_multipart([MsgType.UTILITY_RESULT, DEEP])
+        push.send_multipart(enc.encode(MsgType.UTILITY_RESULT, UtilityResult(
+            call_id=utility.call_id, ok=True, result={"pong": 1})))
+        assert fut.result(30) == {"pong": 1}
+        assert client.engines[0].state == "running"
+    finally:
+        dealer.close(0)
+        push.close(0)
+        ctx.term()
+        lt.run(client.close())
+        lt.close()

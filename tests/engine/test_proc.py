@@ -105,6 +105,10 @@ def test_malformed_frame_fuzz_engine_stays_up(started):
             t = rng.choice([MsgType.ADD, MsgType.ABORT, MsgType.UTILITY, MsgType.WAKEUP,
                             MsgType.HELLO, MsgType.OUTPUTS, b"\x00", b"\xff"])
             frames = [t, rng.randbytes(rng.randrange(0, 200))]
+        elif r < 0.45:  # deep nesting (msgspec raises RecursionError), bare or inside a field
+            t = rng.choice([MsgType.ADD, MsgType.ABORT, MsgType.UTILITY, MsgType.HANDSHAKE_INIT,
+                            MsgType.HANDSHAKE_REJECT])
+            frames = [t, _deep_payload(rng)]
         else:  # a valid message, mutated
             frames = [bytearray(f) for f in rng.choice(valid)]
             k = rng.randrange(len(frames))
@@ -122,15 +126,59 @@ def test_malformed_frame_fuzz_engine_stays_up(started):
             frames = [b""]
         fe.send_raw(0, frames)
         num_sent += 1
+    _caught_up(fe)  # (the ROUTER drops what does not fit the engine's queue: no drops below)
     # schema-valid msgpack with a recoverable request id gets an error output for that id
     fe.send_raw(0, [MsgType.ADD, msgspec.msgpack.encode({"request_id": "bad-schema", "prompt_token_ids": 7})])
+    # ... and so does one nested too deeply for msgspec in a field the schema leaves open
+    fe.send_raw(0, [MsgType.ADD, _deep_add("deep-field")])
     fe.send(0, MsgType.ADD, request("normal", max_tokens=4))
-    got = fe.collect({"bad-schema", "normal"}, timeout_s=60)
+    got = fe.collect({"bad-schema", "deep-field", "normal"}, timeout_s=60)
     print(f"fuzz: {num_sent} frames in {time.monotonic() - t0:.2f} s")
     assert got["bad-schema"][-1].finish_reason == "error" and "malformed" in got["bad-schema"][-1].error
+    assert got["bad-schema"][-1].error_code == "invalid_request"
+    assert got["deep-field"][-1].finish_reason == "error" and "nested too deeply" in got["deep-field"][-1].error
     assert got["normal"][-1].finish_reason == "length"
     assert proc.poll() is None, engine_log(proc)
     assert _utility(fe, "ping", call_id=99).ok
+
+
+def _caught_up(fe, timeout_s: float = 120.0) -> None:
+    """Until the engine answers a ping sent now, i.e. it has read everything sent before."""
+    deadline = time.monotonic() + timeout_s
+    call_ids = set()
+    while time.monotonic() < deadline:
+        call_ids.add(10_000 + len(call_ids))
+        fe.send(0, MsgType.UTILITY, UtilityCall(call_id=max(call_ids), method="ping"))
+        until = time.monotonic() + 2.0
+        while time.monotonic() < until:
+            try:
+                t, msg = fe.recv_pull(0.5)
+            except TimeoutError:
+                continue
+            if t == MsgType.UTILITY_RESULT and msg.call_id in call_ids:
+                return
+    raise TimeoutError("the engine never answered a ping")
+
+
+def _deep_payload(rng) -> bytes:
+    """msgpack nested deeper than msgspec's recursion limit: arrays, maps, or a valid ADD
+    whose open-typed field holds the nesting."""
+    depth = rng.choice([1100, 5000, 100_000])
+    kind = rng.randrange(3)
+    if kind == 0:
+        return b"\x91" * depth + b"\xc0"
+    if kind == 1:
+        return b"\x81\xa1k" * depth + b"\xc0"
+    return _deep_add(f"deep{rng.randrange(10**6)}", depth)
+
+
+def _deep_add(rid: str, depth: int = 100_000) -> bytes:
+    """An ADD with a good request id whose structured_output (a dict of anything) is nested
+    ``depth`` lists deep."""
+    head = msgspec.msgpack.encode(request(rid))
+    assert head[0] & 0xF0 == 0x80 and head[0] & 0x0F < 15  # a fixmap: one more key fits
+    return bytes([head[0] + 1]) + head[1:] + msgspec.msgpack.encode("structured_output") \
+        + b"\x81\xa1v" + b"\x91" * depth + b"\xc0"
 
 
 def test_oversize_message_is_refused(started):

@@ -125,3 +125,62 @@ def test_refusals_are_judged_by_code(refusals, expected):
     if expected is ErrorCode.CONFLICT:  # the engines' reason, without the exception's name
         assert str(info.value) == ("weights from /new not loaded: a weight load is already in "
                                    "progress (/old, reading)")
+
+
+def test_fuzz_random_and_deeply_nested_requests_never_stop_the_admin_socket():
+    """Real ipc socket, the server on the frontend's event loop: noise, mutated requests and
+    msgpack nested past msgspec's recursion limit never end its reader; a well-formed call
+    still gets its answer."""
+    import random
+
+    import msgspec
+    import zmq
+
+    from planaria.common.envelope import AdminRequest, Err, decode_reply, encode
+    from tests.common._admin_fuzz import deep_request, fuzz_frames
+
+    client = _UtilityClient()
+    sockets = []
+
+    async def run():
+        runtime = Path(tempfile.mkdtemp(prefix="pl-adm-"))
+        sock = admin.AdminSocket(admin.EngineAdmin(client), runtime)
+        sockets.append(sock)
+        sock.start()
+        try:
+            return await asyncio.to_thread(fuzz, runtime)
+        finally:
+            await sock.close()
+            shutil.rmtree(runtime, ignore_errors=True)
+
+    def fuzz(runtime: Path):
+        ctx = zmq.Context()
+        dealer = ctx.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        try:
+            dealer.connect(f"ipc://{frontend_admin_socket_path(runtime)}")
+            dealer.send_multipart([b"", deep_request()])
+            assert dealer.poll(10_000), "no answer: the admin socket's reader ended"
+            first = decode_reply(dealer.recv_multipart()[-1])
+            for frames in fuzz_frames(random.Random(99), 600):
+                dealer.send_multipart(frames)
+            dealer.send_multipart([b"", encode(AdminRequest(id="last", command="weight_status"))])
+            while True:
+                assert dealer.poll(60_000), "no answer to the last request"
+                try:
+                    reply = decode_reply(dealer.recv_multipart()[-1])
+                except msgspec.DecodeError:
+                    continue
+                if reply.id == "last":
+                    break
+            status = FrontendAdminClient(runtime, timeout_s=10).call("weight_status")
+            return first, reply, status
+        finally:
+            dealer.close(0)
+            ctx.term()
+
+    first, last, status = asyncio.run(run())
+    assert isinstance(first, Err) and first.code is ErrorCode.BAD_ARGUMENT and "nested too deeply" in first.reason
+    assert last.data["engines"]["0"]["version"] == "v0"
+    assert status["engines"]["1"]["version"] == "v1"
+    assert sockets[0].num_malformed > 10

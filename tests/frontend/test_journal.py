@@ -54,7 +54,7 @@ def test_replay_request_continues_from_the_streamed_tokens():
 
 def test_engine_death_marks_only_its_requests_and_replays_carry_on():
     clock = Clock()
-    j = RequestJournal(max_replays=3, clock=clock)
+    j = RequestJournal(max_replays=3, clock=clock, quarantine_after=0)  # replays alone here
     for rid, engine in (("a", 0), ("b", 1), ("c", 0)):
         j.open(ecr(rid))
         j.on_submitted(rid, engine)
@@ -82,7 +82,7 @@ def test_engine_death_marks_only_its_requests_and_replays_carry_on():
 
 
 def test_replay_limit_and_nothing_left_to_do():
-    j = RequestJournal(max_replays=2)
+    j = RequestJournal(max_replays=2, quarantine_after=0)
     j.open(ecr("a"))
     assert isinstance(j.decide("a"), Replay) and isinstance(j.decide("a"), Replay)
     fail = j.decide("a")
@@ -97,6 +97,72 @@ def test_replay_limit_and_nothing_left_to_do():
         j0.open(ecr("c"))
     with pytest.raises(ValueError):
         RequestJournal(max_replays=-1)
+
+
+def test_a_request_in_flight_on_two_dead_engines_is_quarantined():
+    j = RequestJournal()  # the defaults: max_replays 3, quarantine after 2 deaths
+    assert (j.max_replays, j.quarantine_after) == (3, 2)
+    for rid in ("poison", "bystander"):
+        j.open(ecr(rid))
+        j.on_submitted(rid, 0)
+    assert sorted(j.on_engine_dead(0)) == ["bystander", "poison"]
+    first = j.decide("poison")
+    assert isinstance(first, Replay) and first.request.request_id == "poison~r1"
+    assert isinstance(j.decide("bystander"), Replay)
+    j.on_submitted("poison", 1)  # the replay goes to engine 1, which dies too
+    assert j.on_engine_dead(1) == ["poison"]
+    fail = j.decide("poison")
+    assert isinstance(fail, FailRequest) and fail.code == "quarantined"
+    assert fail.reason.startswith("request quarantined: in flight on 2 engines that died")
+    assert j.num_quarantined_total == 1 and j.num_replays_total == 2
+    assert j.get("poison").num_engine_deaths == 2 and j.get("bystander").num_engine_deaths == 1
+    # a request with nothing left to produce is done, not quarantined
+    j.open(ecr("done", max_tokens=1))
+    j.on_tokens("done", [7])
+    j.decide("done")
+    assert j.decide("done").code == "request_done"
+    # quarantine_after=3 allows two replays; the replay limit still applies before it
+    j3 = RequestJournal(max_replays=1, quarantine_after=3)
+    j3.open(ecr("a"))
+    assert isinstance(j3.decide("a"), Replay)
+    assert j3.decide("a").code == "replay_limit"
+    j3 = RequestJournal(max_replays=5, quarantine_after=3)
+    j3.open(ecr("a"))
+    assert [type(j3.decide("a")).__name__ for _ in range(3)] == ["Replay", "Replay", "FailRequest"]
+    assert j3.num_quarantined_total == 1
+    with pytest.raises(ValueError):
+        RequestJournal(quarantine_after=-1)
+
+
+def test_a_death_from_before_the_send_is_not_counted_against_the_request():
+    """Two engines killed at once: engine 0's requests, replayed onto engine 1 before its
+    death notice arrived, never ran there; a request that was sent to an engine before it
+    died is counted (CLOCK_MONOTONIC times: when sent, when the engine died)."""
+    j = RequestJournal()
+    for rid in ("bystander", "poison"):
+        j.open(ecr(rid))
+        j.on_sent(rid, 10.0)
+        j.on_submitted(rid, 0)
+    j.on_engine_dead(0, died_monotonic_s=20.0)
+    assert isinstance(j.decide("bystander"), Replay) and isinstance(j.decide("poison"), Replay)
+    j.on_sent("bystander", 20.5)  # replayed onto engine 1, which had died at 20.2
+    j.on_submitted("bystander", 1)
+    j.on_sent("poison", 30.0)  # replayed onto engine 1's next incarnation, which dies at 31
+    j.on_submitted("poison", 2)
+    assert j.on_engine_dead(1, died_monotonic_s=20.2) == ["bystander"]
+    assert isinstance(j.decide("bystander"), Replay)
+    assert j.get("bystander").num_engine_deaths == 1
+    assert j.on_engine_dead(2, died_monotonic_s=31.0) == ["poison"]
+    assert j.decide("poison").code == "quarantined"
+    # unknown times count the death, as before
+    j.open(ecr("u"))
+    j.on_submitted("u", 3)
+    j.on_engine_dead(3)
+    j.decide("u")
+    j.on_sent("u", 40.0)
+    j.on_submitted("u", 4)
+    j.on_engine_dead(4)
+    assert j.decide("u").code == "quarantined"
 
 
 # -- the Generator's replay loop over a fake client -------------------------------------
@@ -181,7 +247,8 @@ def test_generator_replays_on_a_survivor_without_gaps_or_repeats():
     client = ScriptedClient(kill_at={3: kill, 7: kill})
     client.engines[1].state = "running"
     metrics = FrontendMetrics()
-    gen = Generator(client, ListDetok, metrics)
+    # two deaths under one request: the quarantine (see the test after next) is off here
+    gen = Generator(client, ListDetok, metrics, journal=RequestJournal(quarantine_after=0))
 
     def revive_then_kill(c, engine):  # the second death: bring the first engine back first
         c.engines[0].state = "running"
@@ -230,7 +297,7 @@ def test_generator_gives_up_with_503_past_the_limit_or_when_no_engine_returns():
             fn(engine, "flaky")
     flaky = ScriptedClient(num_engines=1, kill_at={1: kill_keep, 2: kill_keep, 3: kill_keep, 4: kill_keep})
     metrics = FrontendMetrics()
-    gen = Generator(flaky, ListDetok, metrics, journal=RequestJournal(max_replays=3))
+    gen = Generator(flaky, ListDetok, metrics, journal=RequestJournal(max_replays=3, quarantine_after=0))
     with pytest.raises(ServiceUnavailableError) as ei:
         collect(gen, ecr(max_tokens=8))
     assert ei.value.code == "engine_dead" and "replay limit 3" in str(ei.value)
@@ -239,6 +306,24 @@ def test_generator_gives_up_with_503_past_the_limit_or_when_no_engine_returns():
     # a new request with no engine at all is still refused at once
     with pytest.raises(ServiceUnavailableError):
         collect(Generator(ScriptedClient(num_engines=0), ListDetok), ecr())
+
+
+def test_generator_quarantines_a_request_two_engines_died_under_and_counts_it():
+    def kill(c, engine):
+        c.lose(engine)
+    client = ScriptedClient(num_engines=3, kill_at={1: kill, 3: kill})  # each incarnation kills its engine
+    metrics = FrontendMetrics()
+    gen = Generator(client, ListDetok, metrics)  # the default journal: quarantine after 2 deaths
+    with pytest.raises(ServiceUnavailableError) as ei:
+        collect(gen, ecr(max_tokens=8))
+    assert ei.value.status == 503 and "request quarantined: in flight on 2 engines that died" in str(ei.value)
+    assert [r.request_id for r in client.submitted] == ["r", "r~r1"]  # never a third engine
+    assert sorted(e.state for e in client.engines) == ["dead", "dead", "running"]
+    text = metrics.render(client.engines)
+    assert 'planaria_request_errors_total{kind="quarantined"} 1' in text
+    assert gen.journal.num_quarantined_total == 1 and len(gen.journal) == 0
+    # the surviving engine still serves the next request
+    assert [t for d in collect(gen, ecr("next", max_tokens=3)) for t in d.token_ids] == [100, 101, 102]
 
 
 def test_stop_string_is_checked_across_the_replay():
