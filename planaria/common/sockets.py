@@ -1,4 +1,5 @@
-"""Socket addresses: the one Unix-socket path limit, endpoint spelling, shared socket names.
+"""Socket addresses: the one Unix-socket path limit, endpoint spelling, shared socket names;
+and the CurveZMQ settings of the engines' TCP links to extra clients (below).
 
 Linux's ``sockaddr_un.sun_path`` is 108 bytes with the terminating NUL, so a Unix socket
 path may use ``MAX_UNIX_PATH_BYTES`` = 107 bytes (``os.fsencode``: bytes, not characters).
@@ -8,7 +9,10 @@ ipc path of ours goes through ``check_unix_path`` (or ``ipc_endpoint``) first.
 
 from __future__ import annotations
 
+import json
 import os
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 MAX_UNIX_PATH_BYTES = 107  # sun_path is 108 bytes on Linux, NUL included
@@ -39,3 +43,103 @@ def tcp_endpoint(tcp: str) -> str:
 def frontend_admin_socket_path(runtime_dir: str | os.PathLike, client_index: int = 0) -> Path:
     """Frontend ``client_index``'s admin socket (frontend/admin.py serves it, the daemon calls it)."""
     return check_unix_path(Path(runtime_dir) / f"fe{client_index}-admin", "frontend admin socket")
+
+
+# -- CurveZMQ on the engines' TCP links to extra clients ----------------------------------
+#
+# An extra client (``serve --extra-client-addresses tcp://...``) is the CURVE server: its
+# ROUTER and PULL carry its secret key. Every engine is a CURVE client of it with the
+# daemon's engine key pair, and knows the server's public key. The daemon tells its
+# engines (and standbys) where those keys lie through one environment variable holding
+# file paths, never key material:
+#
+#     PLANARIA_ENGINE_CURVE='{"client_key": ".../engine.key_secret",
+#                             "servers": {"tcp://10.0.0.5:5555": ".../tool.key"}}'
+#
+# Key files are ZeroMQ certificates (``planaria keygen NAME``: NAME.key, NAME.key_secret).
+
+ENGINE_CURVE_ENV = "PLANARIA_ENGINE_CURVE"
+
+
+@dataclass(frozen=True)
+class CurveClientKeys:
+    """What a CURVE client socket needs: the server's public key and its own pair (z85)."""
+
+    server_key: bytes
+    public_key: bytes
+    secret_key: bytes
+
+
+def load_curve_public_key(path: str | os.PathLike) -> bytes:
+    """The public key of a certificate file (NAME.key, or NAME.key_secret)."""
+    public, _secret = _load_certificate(path)
+    return public
+
+
+def load_curve_keypair(path: str | os.PathLike) -> tuple[bytes, bytes]:
+    """(public, secret) from a NAME.key_secret file."""
+    public, secret = _load_certificate(path)
+    if not secret:
+        raise ValueError(f"{path} holds no secret key: give the NAME.key_secret file")
+    return public, secret
+
+
+def _load_certificate(path: str | os.PathLike) -> tuple[bytes, bytes | None]:
+    import zmq.auth
+
+    try:
+        public, secret = zmq.auth.load_certificate(os.fspath(path))
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"cannot read the CurveZMQ key file {path}: {exc}") from exc
+    if not public:
+        raise ValueError(f"{path} is not a ZeroMQ certificate (no public key)")
+    return public, secret
+
+
+def engine_curve_env(client_secret_file: str | os.PathLike,
+                     server_key_files: Mapping[str, str | os.PathLike]) -> dict[str, str]:
+    """The environment entry that gives an engine its CURVE keys (paths only)."""
+    spec = {"client_key": os.fspath(client_secret_file),
+            "servers": {address: os.fspath(path) for address, path in server_key_files.items()}}
+    return {ENGINE_CURVE_ENV: json.dumps(spec)}
+
+
+def engine_curve_keys(environ: Mapping[str, str] | None = None) -> dict[str, CurveClientKeys]:
+    """{address: keys} from ``PLANARIA_ENGINE_CURVE`` (empty without it); the key files
+    are read here, once. ``ValueError`` on a bad entry or key file."""
+    text = (os.environ if environ is None else environ).get(ENGINE_CURVE_ENV, "")
+    if not text:
+        return {}
+    try:
+        spec = json.loads(text)
+        client_key, servers = spec["client_key"], dict(spec["servers"])
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"{ENGINE_CURVE_ENV} is not {{'client_key': PATH, 'servers': "
+                         f"{{ADDRESS: PATH}}}}: {exc}") from exc
+    public, secret = load_curve_keypair(client_key)
+    return {address: CurveClientKeys(load_curve_public_key(path), public, secret)
+            for address, path in servers.items()}
+
+
+def set_curve_client(sock, keys: CurveClientKeys) -> None:
+    """Make ``sock`` (before connect) a CURVE client of the server holding ``keys.server_key``."""
+    sock.curve_serverkey = keys.server_key
+    sock.curve_publickey = keys.public_key
+    sock.curve_secretkey = keys.secret_key
+
+
+def set_curve_server(sock, secret_key: bytes) -> None:
+    """Make ``sock`` (before bind) a CURVE server with ``secret_key``."""
+    sock.curve_server = True
+    sock.curve_secretkey = secret_key
+
+
+class CurveKeySet:
+    """ZAP credentials provider (``ThreadAuthenticator.configure_curve_callback``): admit
+    exactly these z85 client public keys."""
+
+    def __init__(self, keys: Iterable[bytes | str]) -> None:
+        self.keys = frozenset(k.encode() if isinstance(k, str) else bytes(k) for k in keys)
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        return key in self.keys

@@ -15,7 +15,9 @@ unit's unbraced ``$PLANARIA_ARGS``: so JSON goes in a file, ``--engine-config-js
 reported as needing a restart and otherwise ignored.
 
 Defaults: state dir ``$STATE_DIRECTORY`` or ``./.state``; runtime dir
-``$RUNTIME_DIRECTORY`` or ``<state dir>/run``.
+``$RUNTIME_DIRECTORY`` or ``<state dir>/run``; the API key ``$PLANARIA_API_KEY`` (or the
+env file's ``PLANARIA_API_KEY``), which reaches the frontend through its environment,
+never its command line.
 """
 
 from __future__ import annotations
@@ -30,6 +32,9 @@ from typing import Any
 import msgspec
 
 from planaria.daemon.errors import DaemonError
+
+
+API_KEY_ENV = "PLANARIA_API_KEY"
 
 
 class ConfigError(DaemonError):
@@ -82,9 +87,24 @@ class ServeConfig(msgspec.Struct, kw_only=True, frozen=True):
     # ROUTER addresses): a second frontend, or a tool making utility calls (a chaos test's
     # fault injection). An engine waits for each of them at start.
     extra_client_addresses: str = ""
+    # CurveZMQ on tcp:// extra clients: the clients' public key file(s) (one for all, or one
+    # per tcp:// address in order); engines get a key pair of the daemon's (launch.py).
+    # Plain TCP to them only with allow_insecure_tcp_clients.
+    extra_client_server_key: str = ""
+    allow_insecure_tcp_clients: bool = False
     # Remote admin: a TCP control socket with CurveZMQ (daemon/admin_keys.py).
     admin_tcp: str = ""  # HOST:PORT; empty: only the ipc control socket
     admin_keys_dir: str = ""  # default STATE_DIR/admin-keys
+    # The frontend's HTTP limits and API key (frontend/limits.py ServerLimits; docs/http_api.md).
+    max_body_bytes: int = 4 * 2**20
+    body_read_timeout_s: float = 30.0
+    keep_alive_timeout_s: float = 5.0
+    max_connections: int = 1024
+    max_inflight_requests: int = 0  # 0: 4 x max_num_seqs x engines
+    request_timeout_s: float = 600.0
+    render_timeout_s: float = 20.0
+    api_key: str = ""  # empty: no key; passed to the frontend as PLANARIA_API_KEY
+    api_key_protects_metrics: bool = False
 
     def validate(self) -> None:
         if self.parallel not in ("replica", "ep"):
@@ -98,13 +118,15 @@ class ServeConfig(msgspec.Struct, kw_only=True, frozen=True):
         if not sep or not port.isdigit():
             raise ConfigError(f"--http wants HOST:PORT, got {self.http!r}")
         for name in ("hang_timeout_s", "heartbeat_interval_s", "stop_timeout_s",
-                     "handshake_timeout_s"):
+                     "handshake_timeout_s", "body_read_timeout_s", "keep_alive_timeout_s",
+                     "request_timeout_s", "render_timeout_s", "max_body_bytes", "max_connections"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
         for address in self.extra_client_list():
             if not address.startswith(("ipc://", "tcp://")):
                 raise ConfigError(f"--extra-client-addresses: {address!r} is not an "
                                   "ipc:// or tcp:// address")
+        self.extra_client_server_keys()  # raises on TCP without CurveZMQ keys
         if self.admin_tcp:
             host, sep, port = self.admin_tcp.rpartition(":")
             if not sep or not host or not port.isdigit():
@@ -114,6 +136,8 @@ class ServeConfig(msgspec.Struct, kw_only=True, frozen=True):
         if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
             raise ConfigError(f"unknown log level {self.log_level!r}")
         self.restart_policy()  # RestartPolicy validates its own numbers
+        if self.max_inflight_requests < 0:
+            raise ConfigError(f"--max-inflight-requests must be >= 0, got {self.max_inflight_requests}")
         if self.num_standby < 0:
             raise ConfigError(f"--standby must be >= 0, got {self.num_standby}")
         if self.advertise_host:
@@ -156,6 +180,33 @@ class ServeConfig(msgspec.Struct, kw_only=True, frozen=True):
 
     def extra_client_list(self) -> list[str]:
         return [a.strip() for a in self.extra_client_addresses.split(",") if a.strip()]
+
+    def extra_client_server_keys(self) -> dict[str, str]:
+        """{tcp:// extra client address: its CurveZMQ public key file}; empty when there
+        are none (ipc:// clients need none). ConfigError for a TCP client without a key
+        (unless --allow-insecure-tcp-clients), a key without a TCP client, or a count
+        that matches neither one for all nor one per TCP address."""
+        tcp = [a for a in self.extra_client_list() if a.startswith("tcp://")]
+        keys = [k.strip() for k in self.extra_client_server_key.split(",") if k.strip()]
+        if not keys:
+            if tcp and not self.allow_insecure_tcp_clients:
+                raise ConfigError(
+                    f"--extra-client-addresses {', '.join(tcp)}: a TCP link to a client needs "
+                    "CurveZMQ: give --extra-client-server-key FILE (the client's public key, "
+                    "`planaria keygen NAME` makes NAME.key), or use ipc://, or accept plain "
+                    "TCP (anyone who reaches the port can drive the engines) with "
+                    "--allow-insecure-tcp-clients")
+            return {}
+        if not tcp:
+            raise ConfigError("--extra-client-server-key is for tcp:// --extra-client-addresses; "
+                              "there are none")
+        if len(keys) not in (1, len(tcp)):
+            raise ConfigError(f"--extra-client-server-key: {len(keys)} key files for {len(tcp)} "
+                              "tcp:// clients (give one for all, or one per address in order)")
+        for key in keys:
+            if not Path(key).is_file():
+                raise ConfigError(f"--extra-client-server-key: {key} is not a file")
+        return {address: keys[0] if len(keys) == 1 else keys[i] for i, address in enumerate(tcp)}
 
     def restart_policy(self):
         from planaria.daemon.restart_policy import RestartPolicy
@@ -242,16 +293,44 @@ _FLAGS: list[tuple[str, str, Any, str]] = [
     ("--extra-client-addresses", "extra_client_addresses", str,
      "ADDR[,ADDR]: ZMQ clients (ROUTER addresses) every engine also handshakes with, e.g. "
      "a second frontend or a tool making utility calls; an engine waits for each at start"),
+    ("--extra-client-server-key", "extra_client_server_key", str,
+     "FILE[,FILE]: public key (NAME.key) of the tcp:// extra clients, which serve CurveZMQ; "
+     "engines connect with the daemon's key pair STATE_DIR/extra-client-keys/engine.key_secret "
+     "(made on first use; its engine.key is what a client may authorize)"),
+    ("--allow-insecure-tcp-clients", "allow_insecure_tcp_clients", bool,
+     "let tcp:// --extra-client-addresses go without CurveZMQ (plain, unauthenticated TCP)"),
     ("--admin-tcp", "admin_tcp", str,
      "HOST:PORT: also serve the admin socket on TCP with CurveZMQ (keys: --admin-keys-dir)"),
     ("--admin-keys-dir", "admin_keys_dir", str,
      "server key pair (made on first start) and authorized/ client public keys for "
      "--admin-tcp (default STATE_DIR/admin-keys)"),
+    ("--max-body-bytes", "max_body_bytes", int, "largest HTTP request body; more is a 413 (default 4194304)"),
+    ("--body-read-timeout-s", "body_read_timeout_s", float,
+     "a request body not read in full this long is a 408, connection closed (default 30)"),
+    ("--keep-alive-timeout-s", "keep_alive_timeout_s", float,
+     "an idle HTTP keep-alive connection is closed after this long (default 5)"),
+    ("--max-connections", "max_connections", int,
+     "open HTTP connections beyond this get a 503 and are closed (default 1024)"),
+    ("--max-inflight-requests", "max_inflight_requests", int,
+     "generation requests in flight beyond this get a 429 with Retry-After "
+     "(default 0: 4 x max_num_seqs x engines)"),
+    ("--request-timeout-s", "request_timeout_s", float,
+     "a request running longer is aborted in its engine: 504, or an SSE error event (default 600)"),
+    ("--render-timeout-s", "render_timeout_s", float,
+     "time limit of chat-template rendering and tokenizing; past it a 503 (default 20)"),
+    ("--api-key", "api_key", str,
+     "require 'Authorization: Bearer KEY' on /v1/* (default: $PLANARIA_API_KEY or the env "
+     "file's PLANARIA_API_KEY, which keep it out of ps; the frontend gets it in its environment)"),
+    ("--api-key-protects-metrics", "api_key_protects_metrics", bool,
+     "with an API key: /metrics and /ready need it too (default: they stay open; /health always)"),
 ]
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     for flag, field, kind, help_ in _FLAGS:
+        if kind is bool:  # a switch: present or not
+            parser.add_argument(flag, dest=field, action="store_true", default=argparse.SUPPRESS, help=help_)
+            continue
         parser.add_argument(flag, dest=field, type=str if kind == "json" else kind,
                             default=argparse.SUPPRESS, help=help_)
 
@@ -307,6 +386,8 @@ def env_file_flags(path: str | os.PathLike) -> dict[str, Any]:
         flags.update(given_flags(namespace))
     if env.get("PLANARIA_LOG_LEVEL"):
         flags["log_level"] = env["PLANARIA_LOG_LEVEL"]
+    if env.get(API_KEY_ENV) and "api_key" not in flags:
+        flags["api_key"] = env[API_KEY_ENV]
     flags.pop("env_file", None)  # the file does not move itself
     return flags
 
@@ -342,6 +423,11 @@ def build(flags: Mapping[str, Any], environ: Mapping[str, str] | None = None) ->
         if values.get(name):  # the engines run in the state dir: paths must not be relative
             values[name] = str(Path(values[name]).absolute())
     values["log_level"] = str(values.get("log_level", "INFO")).upper()
+    if values.get("extra_client_server_key"):  # engines run in the state dir: absolute paths
+        values["extra_client_server_key"] = ",".join(
+            str(Path(k.strip()).absolute()) for k in values["extra_client_server_key"].split(",") if k.strip())
+    if not values.get("api_key") and env.get(API_KEY_ENV):
+        values["api_key"] = env[API_KEY_ENV]
     try:
         config = msgspec.convert(values, ServeConfig)
     except msgspec.ValidationError as exc:

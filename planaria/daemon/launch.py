@@ -12,10 +12,20 @@ also connect to each ``--extra-client-addresses`` ROUTER (one more ``--input-add
 not inherit ``NOTIFY_SOCKET`` (the supervisor builds its Notifier with
 ``unset_environment=True`` before any spawn), and each child's output is appended to
 ``<state dir>/logs/<name>.log``.
+
+A ``tcp://`` extra client is a CurveZMQ server (config.py refuses plain TCP unless told
+otherwise): engines and standbys get ``PLANARIA_ENGINE_CURVE`` in their environment, the
+paths of the daemon's engine key pair (``<state dir>/extra-client-keys/engine.key_secret``,
+0600, made on first use) and of each client's public key (common/sockets.py).
+
+The API key (``ServeConfig.api_key``) goes to the frontend alone, as ``PLANARIA_API_KEY``
+in its environment (``/proc/PID/environ`` is its user's only, unlike the command line
+``ps`` shows); the other children's environment never holds it.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 from pathlib import Path
@@ -23,10 +33,12 @@ from typing import Any, Mapping
 
 import msgspec
 
+from planaria.common.sockets import engine_curve_env
 from planaria.daemon.children import ChildSpec
-from planaria.daemon.config import ServeConfig
+from planaria.daemon.config import API_KEY_ENV, ServeConfig
 
 FRONTEND_KEY = ("frontend",)
+ENGINE_KEYS_DIR = "extra-client-keys"  # under the state dir: engine.key, engine.key_secret
 HEARTBEAT_SOCKET = "sv-hb"
 
 
@@ -90,7 +102,7 @@ class Launcher:
     def _env(self, **extra: str) -> dict[str, str]:
         env = {k: v for k, v in self.environ.items()
                if k not in ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID", "LISTEN_FDS",
-                            "LISTEN_PID")}
+                            "LISTEN_PID", API_KEY_ENV)}
         env.setdefault("HF_HUB_OFFLINE", "1")
         # Children import the very tree this supervisor runs from (an editable install
         # may not map the package the same way).
@@ -127,8 +139,25 @@ class Launcher:
                 argv += ["--bind-host", cfg.advertise_host]
         key = engine_key(engine_id)
         etcd_env = self.etcd_env if cfg.parallel == "ep" else {}
-        return ChildSpec(key=key, argv=argv, env=self._env(PLANARIA_ENGINE_ID=str(engine_id), **etcd_env),
+        return ChildSpec(key=key, argv=argv, env=self._env(PLANARIA_ENGINE_ID=str(engine_id), **etcd_env,
+                                                           **self.curve_env),
                          log_path=str(log_path(cfg, key)), cwd=cfg.state_dir)
+
+    @functools.cached_property
+    def curve_env(self) -> dict[str, str]:
+        """``PLANARIA_ENGINE_CURVE`` for engines and standbys (empty: no tcp:// client has a
+        key); the engine key pair is made here, on first use, and kept across restarts so
+        that a client can authorize its public half."""
+        servers = self.config.extra_client_server_keys()
+        if not servers:
+            return {}
+        from planaria.daemon.admin_keys import make_keypair
+
+        keys_dir = Path(self.config.state_dir) / ENGINE_KEYS_DIR
+        secret = keys_dir / "engine.key_secret"
+        if not secret.exists():
+            make_keypair(keys_dir, "engine")
+        return engine_curve_env(secret, servers)
 
     def standby(self, number: int, ready_file: str) -> ChildSpec:
         """A warm standby EP engine process (elastic/standby.py): imports done, waiting for
@@ -136,7 +165,7 @@ class Launcher:
         cfg = self.config
         key = standby_key(number)
         argv = [self.python, "-m", "planaria.elastic.standby", "--model", cfg.model, "--ready-file", ready_file]
-        return ChildSpec(key=key, argv=argv, env=self._env(**self.etcd_env), log_path=str(log_path(cfg, key)),
+        return ChildSpec(key=key, argv=argv, env=self._env(**self.etcd_env, **self.curve_env), log_path=str(log_path(cfg, key)),
                          cwd=cfg.state_dir, stdin_pipe=True)
 
     def frontend(self, num_engines: int) -> ChildSpec:
@@ -148,5 +177,15 @@ class Launcher:
                 "--log-level", cfg.log_level]
         if "max_model_len" in cfg.engine_config:
             argv += ["--max-model-len", str(cfg.engine_config["max_model_len"])]
-        return ChildSpec(key=FRONTEND_KEY, argv=argv, env=self._env(),
+        argv += ["--max-body-bytes", str(cfg.max_body_bytes),
+                 "--body-read-timeout-s", f"{cfg.body_read_timeout_s:g}",
+                 "--keep-alive-timeout-s", f"{cfg.keep_alive_timeout_s:g}",
+                 "--max-connections", str(cfg.max_connections),
+                 "--max-inflight-requests", str(cfg.max_inflight_requests),
+                 "--request-timeout-s", f"{cfg.request_timeout_s:g}",
+                 "--render-timeout-s", f"{cfg.render_timeout_s:g}"]
+        if cfg.api_key_protects_metrics:
+            argv.append("--api-key-protects-metrics")
+        secret = {API_KEY_ENV: cfg.api_key} if cfg.api_key else {}
+        return ChildSpec(key=FRONTEND_KEY, argv=argv, env=self._env(**secret),
                          log_path=str(log_path(cfg, FRONTEND_KEY)), cwd=cfg.state_dir)

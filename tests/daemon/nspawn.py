@@ -172,6 +172,15 @@ class NspawnSystem:
         return subprocess.run(["nsenter", "-t", str(self._leader_pid), "-a", "--", *cmd],
                               capture_output=True, text=True, timeout=timeout_s)
 
+    def open_paths(self, paths: Iterable[str | os.PathLike]) -> None:
+        """Make every directory above ``paths`` searchable by any user (``chmod o+x``), so
+        that a unit with an unprivileged user reaches what is bound in. Only directories of
+        the container's own volatile root change: a chmod on a read-only bind fails, and
+        is left so."""
+        parents = {parent for path in paths for parent in Path(path).parents if parent != Path("/")}
+        for parent in sorted(parents):
+            self.run(["chmod", "o+x", str(parent)])
+
     def systemctl(self, *args: str, timeout_s: float = 30.0,
                   check: bool = False) -> subprocess.CompletedProcess:
         return self.run(["systemctl", *args], timeout_s=timeout_s, check=check)

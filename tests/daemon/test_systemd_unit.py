@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 import sys
@@ -50,12 +51,18 @@ def test_verify_catches_a_broken_unit(tmp_path):
     assert "notfiy" in result.stdout + result.stderr
 
 
-def test_unit_settings():
-    settings = {}
+def _unit_settings() -> dict[str, list[str]]:
+    """The unit's KEY=value lines, every value of a repeated key in order."""
+    settings: dict[str, list[str]] = {}
     for line in UNIT.read_text().splitlines():
-        if "=" in line and not line.lstrip().startswith("#"):
+        if "=" in line and not line.lstrip().startswith(("#", ";")):
             key, value = line.split("=", 1)
-            settings.setdefault(key, value)
+            settings.setdefault(key, []).append(value)
+    return settings
+
+
+def test_unit_settings():
+    settings = {key: values[0] for key, values in _unit_settings().items()}
     expected = {
         "Type": "notify", "NotifyAccess": "main", "WatchdogSec": "30",
         "Restart": "on-failure", "RestartSec": "2", "KillMode": "mixed",
@@ -66,6 +73,57 @@ def test_unit_settings():
         "EnvironmentFile": "-/etc/planaria/planaria.env",
     }
     assert {k: settings.get(k) for k in expected} == expected
+
+
+def test_unit_hardening():
+    """Its own user, no capabilities, the kernel's knobs out of reach, the GPUs allowed."""
+    settings = _unit_settings()
+    single = {key: values[-1] for key, values in settings.items()}
+    expected = {
+        "DynamicUser": "yes", "CapabilityBoundingSet": "", "AmbientCapabilities": "",
+        "ProtectKernelTunables": "yes", "ProtectKernelModules": "yes", "ProtectKernelLogs": "yes",
+        "ProtectControlGroups": "yes", "ProtectClock": "yes", "ProtectHostname": "yes",
+        "RestrictNamespaces": "yes", "RestrictSUIDSGID": "yes", "LockPersonality": "yes",
+        "SystemCallArchitectures": "native", "UMask": "0077", "DevicePolicy": "closed",
+        "RestrictAddressFamilies": "AF_UNIX AF_INET AF_INET6 AF_NETLINK",
+    }
+    assert {k: single.get(k) for k in expected} == expected
+    assert settings["SystemCallFilter"][0] == "@system-service"
+    # oneDNN and Triton write machine code at run time; PrivateDevices= hides the GPUs
+    assert "MemoryDenyWriteExecute" not in settings and "PrivateDevices" not in settings
+    allowed = {value.split()[0] for value in settings["DeviceAllow"]}
+    assert {"/dev/nvidiactl", "/dev/nvidia-uvm", "char-nvidia-frontend", "char-drm"} <= allowed
+    assert all(value.split()[1] == "rw" for value in settings["DeviceAllow"])
+
+
+def exposure(unit_path: Path) -> tuple[float, str]:
+    """``systemd-analyze security --offline=yes``'s overall exposure (0 best, 10 worst)
+    and its line."""
+    result = subprocess.run(["systemd-analyze", "security", "--offline=yes", "--no-pager",
+                             str(unit_path)], capture_output=True, text=True, timeout=60)
+    line = next((x for x in result.stdout.splitlines() if "Overall exposure level" in x), None)
+    assert line is not None, result.stdout + result.stderr
+    match = re.search(r"Overall exposure level for \S+: (\d+\.\d+)", line)
+    assert match, line
+    return float(match.group(1)), line.strip()
+
+
+@needs_analyze
+def test_exposure_is_at_most_2_5(tmp_path):
+    figure, line = exposure(UNIT)
+    print(line)
+    assert figure <= 2.5, line
+
+
+@needs_analyze
+def test_exposure_check_sees_a_weakened_unit(tmp_path):
+    # the check measures the file: the unit without its hardening lines scores far worse
+    kept = [line for line in UNIT.read_text().splitlines()
+            if not line.startswith(("DynamicUser", "CapabilityBoundingSet", "SystemCallFilter",
+                                    "ProtectKernel", "RestrictAddressFamilies", "DevicePolicy"))]
+    weak = tmp_path / "planaria.service"
+    weak.write_text("\n".join(kept) + "\n")
+    assert exposure(weak)[0] > exposure(UNIT)[0] + 2.0
 
 
 PROBE = """\

@@ -8,8 +8,10 @@ container's own (/var/lib/planaria, /run/planaria).
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
+import shutil
 import socket
 import threading
 import time
@@ -76,20 +78,15 @@ class _Stream(threading.Thread):
             self.first_chunk.set()
 
 
-def test_unit_under_real_systemd(tiny_moe, tmp_path):
-    reason = unavailable_reason()
-    if reason:
-        pytest.skip(reason)
-    if not (VENV / "bin" / "planaria").exists():
-        pytest.skip("no .venv/bin/planaria (pip install -e . first)")
+def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    unit_dir = tmp_path / "units"
-    unit_dir.mkdir()
-    args = (f"--model {MODEL_INSIDE} --engines 1 --http 127.0.0.1:{port} "
-            "--engine-config-json @/etc/systemd/system/engine.json "
-            f"--stop-timeout-s 20")
+        return s.getsockname()[1]
+
+
+def _install_unit(unit_dir: Path, args: str) -> None:
+    """A test copy of the shipped unit in ``unit_dir``: this venv's planaria, an env file
+    there with ``args``, short watchdog and restart delays; every hardening setting kept."""
     (unit_dir / "engine.json").write_text(json.dumps(ENGINE_CONFIG))
     (unit_dir / "planaria.env").write_text(f"PLANARIA_ARGS='{args}'\nPLANARIA_LOG_LEVEL=INFO\n")
     text = UNIT.read_text()
@@ -107,10 +104,56 @@ def test_unit_under_real_systemd(tiny_moe, tmp_path):
     assert f"ExecStart={VENV}/bin/planaria serve" in text
     (unit_dir / "planaria.service").write_text(text)
 
-    binds = [(REPO, REPO), (_python_home(), _python_home()), (Path(tiny_moe), MODEL_INSIDE)]
+
+@contextlib.contextmanager
+def _container(tiny_moe: str, tmp_path: Path, args: str):
+    """Boot a container with the test unit installed (not started yet)."""
+    reason = unavailable_reason()
+    if reason:
+        pytest.skip(reason)
+    if not (VENV / "bin" / "planaria").exists():
+        pytest.skip("no .venv/bin/planaria (pip install -e . first)")
+    unit_dir = tmp_path / "units"
+    unit_dir.mkdir()
+    _install_unit(unit_dir, args)
+    # The unit's dynamic user reads the model: a world-readable copy (the weights file is
+    # written 0600; under /var/lib/planaria systemd would chown it to the user instead).
+    model = tmp_path / "model"
+    shutil.copytree(tiny_moe, model)
+    for path in model.iterdir():
+        path.chmod(0o644)
+    binds = [(REPO, REPO), (_python_home(), _python_home()), (model, MODEL_INSIDE)]
     with NspawnSystem(unit_dir, binds_ro=binds) as system:
         print(f"container booted in {system.boot_s:.1f}s")
+        # The unit runs as a dynamic user: it must be able to walk to what is bound in.
+        # Their parents are the container's own (tmpfs) directories, /root among them at
+        # 0700 when the Python installation is a pyenv one there; a bind is read-only, so
+        # this changes nothing of the host.
+        system.open_paths([REPO, _python_home(), MODEL_INSIDE])
+        yield system
 
+
+def _wait_active(system: NspawnSystem, num_engines: int, timeout_s: float = 120.0,
+                 restarts: int | None = None) -> dict[str, str]:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        p = system.show("planaria.service", "ActiveState", "SubState", "NRestarts", "StatusText",
+                        "MainPID")
+        if p["ActiveState"] == "active" and p["SubState"] == "running" and \
+                (restarts is None or p["NRestarts"] == str(restarts)) and \
+                f"{num_engines}/{num_engines} engines up" in p["StatusText"]:
+            return p
+        time.sleep(0.5)
+    raise AssertionError(f"not active: {p}\n{system.journal('planaria.service', 80)}")
+
+
+def test_unit_under_real_systemd(tiny_moe, tmp_path):
+    port = _free_port()
+    args = (f"--model {MODEL_INSIDE} --engines 1 --http 127.0.0.1:{port} "
+            "--engine-config-json @/etc/systemd/system/engine.json "
+            f"--stop-timeout-s 20")
+    unit_dir = tmp_path / "units"
+    with _container(tiny_moe, tmp_path, args) as system:
         def show(*props):
             return system.show("planaria.service", *props)
 
@@ -118,15 +161,7 @@ def test_unit_under_real_systemd(tiny_moe, tmp_path):
             return system.run([f"{VENV}/bin/planaria", *argv], timeout_s=timeout_s)
 
         def wait_active(timeout_s=120.0, restarts=None):
-            deadline = time.monotonic() + timeout_s
-            while time.monotonic() < deadline:
-                p = show("ActiveState", "SubState", "NRestarts", "StatusText", "MainPID")
-                if p["ActiveState"] == "active" and p["SubState"] == "running" and \
-                        (restarts is None or p["NRestarts"] == str(restarts)) and \
-                        "1/1 engines up" in p["StatusText"]:
-                    return p
-                time.sleep(0.5)
-            raise AssertionError(f"not active: {p}\n{system.journal('planaria.service', 80)}")
+            return _wait_active(system, 1, timeout_s, restarts)
 
         started = time.monotonic()
         result = system.systemctl("start", "planaria.service", timeout_s=150)
@@ -185,3 +220,44 @@ def test_unit_under_real_systemd(tiny_moe, tmp_path):
             "inactive", "success", "0"), system.journal("planaria.service", 80)
         journal = system.journal("planaria.service", 400)
         assert '"event": "stopped"' in journal and '"exit_code": 0' in journal
+
+
+def test_ep_mode_under_the_hardened_unit(tiny_moe, tmp_path):
+    """The shipped default: EP with the embedded etcd (Go), gloo between two ranks, as the
+    unit's unprivileged dynamic user with no capabilities under its syscall filter."""
+    port = _free_port()
+    args = (f"--model {MODEL_INSIDE} --engines 2 --parallel ep --standby 0 "
+            f"--http 127.0.0.1:{port} --engine-config-json @/etc/systemd/system/engine.json "
+            "--stop-timeout-s 20")
+    with _container(tiny_moe, tmp_path, args) as system:
+        started = time.monotonic()
+        result = system.systemctl("start", "planaria.service", timeout_s=150)
+        assert result.returncode == 0, system.journal("planaria.service", 80)
+        props = _wait_active(system, 2, timeout_s=180)
+        print(f"EP active {time.monotonic() - started:.1f}s after start: {props['StatusText']}")
+        proc_status = system.run(["cat", f"/proc/{props['MainPID']}/status"], check=True).stdout
+        fields = dict(line.split(":", 1) for line in proc_status.splitlines() if ":" in line)
+        uid = int(fields["Uid"].split()[0])
+        assert uid != 0, fields["Uid"]
+        assert int(fields["CapEff"], 16) == int(fields["CapBnd"], 16) == 0, proc_status
+        assert fields["Seccomp"].strip() == "2" and fields["NoNewPrivs"].strip() == "1"
+        status = json.loads(system.run([f"{VENV}/bin/planaria", "status", "--json"]).stdout)
+        ep = status["ep"]
+        assert ep["world_size"] == 2 and all(e["state"] == "serving" for e in ep["engines"].values()), ep
+        etcd_dir = system.run(["stat", "-c", "%u %a", "/var/lib/planaria/etcd"], check=True).stdout.split()
+        assert etcd_dir == [str(uid), "700"], etcd_dir
+
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+        body = {"model": MODEL_INSIDE.name, "prompt": "def main(argv):", "max_tokens": 8,
+                "temperature": 0.0, "ignore_eos": True}
+        conn.request("POST", "/v1/completions", json.dumps(body), {"content-type": "application/json"})
+        resp = conn.getresponse()
+        reply = resp.read()
+        assert resp.status == 200, reply
+        assert json.loads(reply)["usage"]["completion_tokens"] == 8
+
+        result = system.systemctl("stop", "planaria.service", timeout_s=60)
+        assert result.returncode == 0
+        props = system.show("planaria.service", "ActiveState", "Result", "ExecMainStatus", "NRestarts")
+        assert props == {"ActiveState": "inactive", "Result": "success", "ExecMainStatus": "0",
+                         "NRestarts": "0"}, system.journal("planaria.service", 80)

@@ -1,0 +1,51 @@
+"""`planaria serve`'s frontend flags reach the frontend's command line, and the API key
+its environment only (never a command line, never the engines)."""
+
+from __future__ import annotations
+
+import argparse
+
+from planaria.daemon import config as config_mod
+from planaria.daemon.launch import Launcher
+from planaria.frontend.main import build_parser, server_limits
+
+
+def _config(tmp_path, argv: list[str], environ: dict[str, str]) -> config_mod.ServeConfig:
+    parser = argparse.ArgumentParser()
+    config_mod.add_serve_arguments(parser)
+    flags = config_mod.given_flags(parser.parse_args(["--model", str(tmp_path), *argv]))
+    return config_mod.build(flags, environ)
+
+
+def test_flags_pass_to_the_frontend_and_the_key_only_through_its_environment(tmp_path):
+    cfg = _config(tmp_path, ["--max-inflight-requests", "7", "--request-timeout-s", "9",
+                             "--max-body-bytes", "1000", "--max-connections", "11", "--body-read-timeout-s", "3",
+                             "--keep-alive-timeout-s", "2", "--render-timeout-s", "4",
+                             "--api-key-protects-metrics"],
+                  {"PLANARIA_API_KEY": "k-123", "STATE_DIRECTORY": str(tmp_path)})
+    assert cfg.api_key == "k-123" and cfg.api_key_protects_metrics
+    launcher = Launcher(cfg, environ={"PATH": "/bin", "PLANARIA_API_KEY": "k-123"})
+    spec = launcher.frontend(2)
+    assert "k-123" not in " ".join(spec.argv) and spec.env["PLANARIA_API_KEY"] == "k-123"
+    assert "PLANARIA_API_KEY" not in launcher.engine(0).env
+    args = build_parser().parse_args(spec.argv[3:])
+    limits = server_limits(args, environ=spec.env)
+    assert (limits.max_inflight_requests, limits.request_timeout_s, limits.max_body_bytes, limits.max_connections,
+            limits.body_read_timeout_s, limits.keep_alive_timeout_s, limits.render_timeout_s) == \
+        (7, 9.0, 1000, 11, 3.0, 2.0, 4.0)
+    assert limits.api_key == "k-123" and limits.api_key_protects_metrics
+
+
+def test_defaults_no_key_and_inflight_sized_to_the_engines(tmp_path):
+    cfg = _config(tmp_path, ["--engine-config-json", '{"max_num_seqs": 32}'], {"STATE_DIRECTORY": str(tmp_path)})
+    spec = Launcher(cfg, environ={"PATH": "/bin"}).frontend(3)
+    assert "PLANARIA_API_KEY" not in spec.env
+    limits = server_limits(build_parser().parse_args(spec.argv[3:]), environ=spec.env)
+    assert limits.api_key is None and not limits.api_key_protects_metrics
+    assert limits.max_inflight_requests == 4 * 32 * 3 and limits.max_body_bytes == 4 * 2**20
+
+
+def test_the_key_from_the_env_file(tmp_path):
+    env_file = tmp_path / "planaria.env"
+    env_file.write_text("PLANARIA_API_KEY=from-file\nPLANARIA_ARGS=--engines 1\n")
+    assert config_mod.env_file_flags(env_file)["api_key"] == "from-file"
