@@ -14,7 +14,9 @@ calls it where EP differs, and it reaches etcd only through this node's ``EPNode
 - a dead engine's etcd record is deleted at once (``forget_engine``), off the loop thread;
 - ``planaria scale`` on any node writes the cluster-wide ``desired`` in etcd
   (``scale_to``), refused with a clear error while another operation runs or etcd is down;
-- ``status`` is the epoch, ranks, placement, nodes, ops and engine records read from etcd.
+- ``status`` is the epoch, ranks, placement, nodes, ops and engine records read from etcd,
+  and the embedded etcd's own state (``etcd``: daemon/etcd_keeper.py; None with
+  --etcd-endpoints), shown even while etcd is unreachable.
 
 Reads that may wait on etcd answer None (or an ``error`` entry) when it is unreachable:
 serving never waits on etcd.
@@ -45,9 +47,10 @@ class SlotChanges:
 
 
 class EPSupervisor:
-    def __init__(self, node, log) -> None:
+    def __init__(self, node, log, etcd=None) -> None:
         self.node = node  # elastic.cluster.EPNode
         self.log = log
+        self.etcd = etcd  # daemon.etcd_keeper.EtcdKeeper of the embedded etcd (None: external)
 
     @property
     def node_id(self) -> str:
@@ -61,7 +64,7 @@ class EPSupervisor:
     def share(self) -> int | None:
         """This node's engine count in the leader's placement (None: not placed yet, e.g. a
         node that just joined, whose record the leader has not seen: it keeps its engines)."""
-        placement = self.node.placement
+        placement = self.node.placement  # validated by EPNode (elastic/cluster.py) before it is kept
         return placement.engines.get(self.node_id) if placement is not None else None
 
     def slot_changes(self, slots: dict[int, Any]) -> SlotChanges | None:
@@ -175,7 +178,9 @@ class EPSupervisor:
 
     # -- status ------------------------------------------------------------------------------
     def status(self) -> dict[str, Any]:
-        """Epoch, ranks and the active operation from etcd ({"error": ...} when unreachable)."""
+        """Epoch, ranks and the active operation from etcd ({"error": ...} when unreachable),
+        and the embedded etcd's process state (``etcd``)."""
+        etcd = self.etcd.status() if self.etcd is not None else None
         try:
             epoch = self.node.controller.epochs.read_epoch()[0]
             records = {r.engine_id: r for r in self.node.membership.list_engines()}
@@ -183,8 +188,8 @@ class EPSupervisor:
             ops = self.node.controller.desired.list_ops()
             desired, _ = self.node.controller.desired.read_desired()
             placement, _ = self.node.controller.placements.read()
-        except Exception as exc:  # etcd down: status still answers
-            return {"error": f"etcd unreachable: {exc}"}
+        except Exception as exc:  # etcd down (or a record refused): status still answers
+            return {"error": f"etcd unreachable: {exc}", "etcd": etcd}
         active = [o for o in ops if not o.phase.is_final]
         done = [o for o in ops if o.phase.is_final]
         op = min(active, key=lambda o: o.updated_at) if active else None
@@ -193,7 +198,7 @@ class EPSupervisor:
         def op_view(o):
             return None if o is None else {"op_id": o.op_id, "phase": o.phase.value, "progress": o.progress,
                                            "target": o.target, "error": o.error}
-        return {"epoch": epoch.number if epoch else None, "world_size": epoch.world_size if epoch else 0,
+        return {"etcd": etcd, "epoch": epoch.number if epoch else None, "world_size": epoch.world_size if epoch else 0,
                 "ranks": epoch.ranks if epoch else [], "leader": self.node.election.is_leader,
                 "node_id": self.node_id, "desired": desired.num_engines if desired else None,
                 "placement": placement.engines if placement else None,

@@ -30,11 +30,11 @@ from typing import Callable
 import msgspec
 import structlog
 
-from planaria.elastic.controller import EPController
+from planaria.elastic.controller import EPController, placement_problem
 from planaria.elastic.election import LeaderElection
 from planaria.elastic.ep import host_store
-from planaria.elastic.errors import ElasticError, EtcdUnavailableError
-from planaria.elastic.keys import NodeInfo
+from planaria.elastic.errors import ElasticError, EtcdUnavailableError, RecordDecodeError
+from planaria.elastic.keys import NodeInfo, epoch_problem
 from planaria.elastic.membership import Membership
 
 log = structlog.get_logger("planaria.elastic.cluster")
@@ -215,6 +215,7 @@ class EPNode:
         self.placement = None  # the leader's elastic.placement.Placement (None: none yet)
         self.epoch_ranks: set[str] | None = None  # the current epoch's engines (None: unknown)
         self._kv_read_at = 0.0
+        self._last_refusal = ""
         self._stop = threading.Event()
         self._wake = threading.Event()  # set on any change under the cluster's prefix
         self._thread = threading.Thread(target=self._run, name="ep-controller", daemon=True)
@@ -260,10 +261,25 @@ class EPNode:
 
     def _refresh_view(self, kv_every_s: float = 1.0) -> None:
         """Keep ``placement``, ``epoch_ranks`` and ``kv_figure`` (read by the supervisor's
-        loop without waiting on etcd)."""
+        loop without waiting on etcd). A record that fails its checks (elastic/keys.py,
+        controller.placement_problem) is refused: the view keeps what it had."""
         c = self.controller
-        self.placement = c.placements.read()[0]
-        epoch = c.epochs.read_epoch()[0]
+        try:
+            placement = c.placements.read()[0]
+            problem = placement_problem(placement, c.membership.list_nodes()) if placement is not None else None
+            if problem:
+                raise RecordDecodeError(c.placements.layout.placement, ValueError(problem))
+            self.placement = placement
+        except RecordDecodeError as exc:
+            self._refused(f"placement refused: {exc}")
+        try:
+            epoch = c.epochs.read_epoch()[0]
+            problem = epoch_problem(epoch, num_experts=c.num_experts) if epoch is not None else None
+            if problem:
+                raise RecordDecodeError(c.epochs.layout.epoch, ValueError(problem))
+        except RecordDecodeError as exc:
+            self._refused(f"epoch refused: {exc}")
+            return
         self.epoch_ranks = set(epoch.ranks) if epoch is not None else set()
         now = time.monotonic()
         if now - self._kv_read_at < kv_every_s:
@@ -271,6 +287,11 @@ class EPNode:
         self._kv_read_at = now
         budget = c.kv.smallest_for_group(c.fp, c.device_kind, epoch.ranks if epoch is not None else [])
         self.kv_figure = budget.kv_cache_bytes if budget is not None else None
+
+    def _refused(self, why: str) -> None:
+        if why != self._last_refusal:
+            log.error("record refused; not acted on", reason=why)
+            self._last_refusal = why
 
     def request_scale(self, target: int) -> str:
         op_id = f"op-{uuid.uuid4().hex[:8]}"

@@ -26,6 +26,15 @@ their engine slots to, and plans epochs over the engines that placement keeps. W
 ``desired`` was never set, the target is the sum of the nodes' ``--engines``.
 
 The first profiled engines' figures are published to kv_budget here as they appear.
+
+Records read from etcd are checked before they are acted on (elastic/keys.py): an epoch
+that is not self-consistent or does not cover the model's experts, a desired size not
+within [1, the cluster's capacity], a placement giving a node more than its
+--max-engines, are refused with an error in the log and not acted on (the leader keeps
+the cluster as it is: a bad ``desired`` counts as the current world size; a bad
+placement is replaced by the leader's own). An epoch whose rendezvous is no known node's
+is logged as an error; it is not refused here, since after a failover the old leader's
+node is gone while its group serves on (engines are the ones to check it before joining).
 """
 
 from __future__ import annotations
@@ -38,14 +47,28 @@ import structlog
 
 from planaria.elastic.desired import DesiredStore
 from planaria.elastic.epochs import EpochStore
-from planaria.elastic.errors import ElasticError
-from planaria.elastic.keys import Desired, EngineRecordState, KVBudget, OpPhase, OpRecord, encode
+from planaria.elastic.errors import ElasticError, RecordDecodeError
+from planaria.elastic.keys import (MAX_ENGINES, Desired, EngineRecordState, KVBudget, NodeInfo, OpPhase,
+                                   OpRecord, desired_problem, encode, epoch_problem)
 from planaria.elastic.kv_budget import KVBudgetRegistry
-from planaria.elastic.placement import Placement, PlacementStore, allowed_engines, default_target, place
+from planaria.elastic.placement import (Placement, PlacementStore, allowed_engines, capacity, default_target,
+                                        max_engines, place)
 from planaria.elastic.planner import (LIVE_STATES, Abort, NoChange, Rebalance, Reform, ScaleDown, ScaleUp,
                              epoch_served, plan_abort, plan_epoch)
 
 log = structlog.get_logger("planaria.elastic.controller")
+
+
+def placement_problem(placement: Placement, nodes: list[NodeInfo]) -> str | None:
+    """Why ``placement`` must not be followed (a known node given more than its
+    --max-engines, or a target past MAX_ENGINES), or None."""
+    by_id = {n.node_id: n for n in nodes}
+    if placement.target > MAX_ENGINES or sum(placement.engines.values()) > MAX_ENGINES:
+        return f"placement of {placement.target} engines is over {MAX_ENGINES}"
+    for nid, count in placement.engines.items():
+        if nid in by_id and count > max_engines(by_id[nid]):
+            return f"placement gives node {nid} {count} engines, over its --max-engines {max_engines(by_id[nid])}"
+    return None
 
 
 class EPController:
@@ -75,6 +98,7 @@ class EPController:
         self._counter = itertools.count()
         self._published: set[str] = set()
         self.last_action = "idle"
+        self._refusals: set[str] = set()  # logged already
         self.reuse_kv = True  # False: scale-up engines profile (bench/scale_up.py compares)
 
     def next_engine_id(self) -> str:
@@ -84,14 +108,39 @@ class EPController:
         if not self.election.is_leader:
             return "not leader"
         now = self.clock()
-        epoch, epoch_rev = self.epochs.read_epoch()
-        desired, _desired_rev = self.desired.read_desired()
+        try:
+            epoch, epoch_rev = self.epochs.read_epoch()
+        except RecordDecodeError as exc:
+            return self._refuse(f"epoch refused: {exc}")
+        if epoch is not None:
+            problem = epoch_problem(epoch, num_experts=self.num_experts)
+            if problem:
+                return self._refuse(f"epoch {epoch.number} refused: {problem}")
+        nodes = self.membership.list_nodes()
+        try:
+            desired, _desired_rev = self.desired.read_desired()
+            cap = capacity(nodes) if self.place_engines else MAX_ENGINES
+            bad = desired_problem(desired, cap) if desired is not None and cap > 0 else None
+        except RecordDecodeError as exc:
+            desired, bad = None, str(exc)
+        if bad:  # not acted on: the cluster stays at its size
+            self._refuse(f"desired refused: {bad}")
+            size = epoch.world_size if epoch is not None and epoch.ranks else 0
+            desired = Desired(num_engines=size, op_id="refused") if size else None
         target = desired.num_engines if desired is not None else self.initial_engines
-        op = self.desired.active_op()
+        try:
+            op = self.desired.active_op()
+        except RecordDecodeError as exc:  # a bad op record: driven by nobody
+            op = self._refuse(f"op refused: {exc}") and None
         records = {r.engine_id: r for r in self.membership.list_engines()}
+        known = {n.addresses.get("rendezvous", "") for n in nodes} | {self.rendezvous}
+        if epoch is not None and epoch.ranks and epoch.rendezvous not in known:
+            # Logged, not refused: after a failover the old leader's node (and store) is gone
+            # while its group goes on serving; the next epoch is at this leader's rendezvous.
+            self._refuse(f"epoch {epoch.number}: rendezvous {epoch.rendezvous!r} is no known node's")
         allowed = None
         if self.place_engines:
-            placed = self._place(desired, records, op, now)
+            placed = self._place(desired, records, op, now, nodes)
             if isinstance(placed, str):
                 self.last_action = placed
                 return placed
@@ -151,13 +200,32 @@ class EPController:
         self.last_action = f"{kind} -> epoch {action.epoch.number}"
         return self.last_action
 
-    def _place(self, desired: Desired | None, records, op, now: float) -> tuple[int, set[str]] | str:
+    def _refuse(self, why: str) -> str:
+        """Log a refused record (once while it stays the same) and say so in last_action."""
+        if why not in self._refusals:
+            log.error("record refused; not acted on", reason=why)
+            if len(self._refusals) > 100:
+                self._refusals.clear()
+            self._refusals.add(why)
+        self.last_action = why
+        return why
+
+    def _place(self, desired: Desired | None, records, op, now: float,
+               nodes: list[NodeInfo]) -> tuple[int, set[str]] | str:
         """Place the cluster's engines over the nodes and write ``placement`` when it changes;
         returns (engines placed, the engines it keeps), or why nothing is placed now."""
-        nodes = self.membership.list_nodes()
         if self.membership.node_id not in {n.node_id for n in nodes}:
             return "placement: waiting for this node's record"  # e.g. just after etcd came back
-        current, rev = self.placements.read()
+        try:
+            current, rev = self.placements.read()
+        except RecordDecodeError as exc:
+            self._refuse(f"placement refused: {exc}")
+            current, rev = None, self._placement_revision()
+        if current is not None:
+            problem = placement_problem(current, nodes)
+            if problem:  # not followed: replaced by this leader's own below
+                self._refuse(f"placement refused: {problem}")
+                current = None
         target = desired.num_engines if desired is not None else default_target(nodes)
         shares, unplaced = place(target, nodes, current.engines if current is not None else None)
         if current is None or (current.engines, current.target, current.unplaced) != (shares, target, unplaced):
@@ -172,6 +240,15 @@ class EPController:
             self._op(op, OpPhase.LAUNCHING, "placed " + ", ".join(f"{n}: {c}" for n, c in shares.items())
                      + (f"; {unplaced} engine(s) fit no node's capacity" if unplaced else ""))
         return sum(shares.values()), allowed_engines(shares, records.values())
+
+    def _placement_revision(self) -> int:
+        """The placement key's mod revision (for the CAS that replaces a refused value)."""
+        from planaria.elastic.etcd_client import etcd_call
+
+        client, key = self.membership.client, self.placements.layout.placement
+        with etcd_call("read placement"):
+            _value, meta = client.get(key)
+        return meta.mod_revision if meta is not None else 0
 
     def _abort(self, abort: Abort, epoch_rev: int, op, desired: Desired | None, now: float) -> str:
         """Abort a failed switch: the next epoch at the healthy set, the op FAILED and

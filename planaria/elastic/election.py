@@ -74,7 +74,7 @@ class LeaderElection:
             value, meta = self._client.get(self._key)
         if value is None:
             return None, 0
-        return value.decode(), meta.create_revision
+        return value.decode("utf-8", "replace"), meta.create_revision
 
     # ----------------------------------------------------------------- campaign
 
@@ -102,7 +102,7 @@ class LeaderElection:
         token = None
         if kvs:
             value, meta = kvs[0]
-            if won or (meta.lease_id == lease_id and value.decode() == self._node_id):
+            if won or (meta.lease_id == lease_id and value.decode("utf-8", "replace") == self._node_id):
                 token = meta.create_revision
         with self._lock:
             self._token = token

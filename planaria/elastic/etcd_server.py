@@ -7,11 +7,16 @@ then ``start()`` brings the same member back on the same data dir and port (what
 (client certificates required), ``extra_args`` passes more etcd flags, and ``ctl(...)``
 runs the bundled ``etcdctl`` against it (user/role/auth set-up in tests). The process is tracked by pid and stopped by
 pid: SIGTERM, then SIGKILL after a grace period. etcd's own log goes to
-``<data_dir>/etcd.log``.
+``<data_dir>/etcd.log``. ``die_with_parent=True`` (the daemon's embedded etcd) sets
+``PR_SET_PDEATHSIG=SIGKILL`` in the child, as daemon/children.py does for engines, so a
+daemon killed outright never leaves an orphaned etcd on its port and data directory. The
+signal follows the *thread* that started the process: start it from a thread that lives
+as long as the daemon (daemon/etcd_keeper.py starts and stops it from its own thread).
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import shutil
 import signal
@@ -106,8 +111,10 @@ class EmbeddedEtcd:
     def __init__(self, data_dir: str | os.PathLike[str], client_port: int | None = None,
                  peer_port: int | None = None, binary: str | None = None,
                  name: str | None = None, tls: ServerTLS | None = None,
-                 extra_args: Sequence[str] = (), host: str = "127.0.0.1") -> None:
+                 extra_args: Sequence[str] = (), host: str = "127.0.0.1",
+                 die_with_parent: bool = False) -> None:
         self.host = host
+        self.die_with_parent = die_with_parent
         self.tls = tls
         self.extra_args = list(extra_args)
         self.data_dir = Path(data_dir)
@@ -166,7 +173,8 @@ class EmbeddedEtcd:
         with open(self.log_path, "ab") as log_file:
             self._proc = subprocess.Popen(
                 self.command(), stdin=subprocess.DEVNULL, stdout=log_file,
-                stderr=subprocess.STDOUT, start_new_session=True)
+                stderr=subprocess.STDOUT, start_new_session=True,
+                preexec_fn=_die_with_parent if self.die_with_parent else None)
         log.info("etcd_starting", pid=self._proc.pid, endpoint=self.endpoint,
                  data_dir=str(self.data_dir))
         deadline = time.monotonic() + timeout_s
@@ -183,6 +191,16 @@ class EmbeddedEtcd:
         self.stop()
         raise EtcdStartError(
             f"etcd not healthy after {timeout_s:.0f} s:\n{self.log_tail()}")
+
+    def poll(self) -> int | None:
+        """The exit code once the process has exited (it is then forgotten), else None."""
+        proc = self._proc
+        if proc is None:
+            return None
+        code = proc.poll()
+        if code is not None:
+            self._proc = None
+        return code
 
     def healthy(self, timeout_s: float = 0.5) -> bool:
         context = None
@@ -247,6 +265,16 @@ class EmbeddedEtcd:
 
     def __exit__(self, *exc_info: object) -> None:
         self.stop()
+
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:  # in the child between fork and exec (as daemon/children.py)
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() == 1:  # the parent died before prctl: do not outlive it
+        os._exit(1)
 
 
 def _signal(pid: int, sig: signal.Signals) -> None:

@@ -14,12 +14,26 @@ because they are read on other hosts.
 | ``placement``                         | Placement    | none             |
 | ``kv_budget/<fingerprint>/<device>``  | KVBudget     | none             |
 | ``ops/<op_id>``                       | OpRecord     | none             |
+
+Nothing read from etcd is trusted: anyone who can write to it could put anything there.
+:func:`decode` refuses (:class:`RecordDecodeError`) a value that is not valid JSON of the
+struct, nests too deep, holds a string longer than ``MAX_TEXT_CHARS``, a container longer
+than ``MAX_ITEMS``, a number that is negative, not finite or past ``MAX_INT``, or breaks
+its struct's own rules (an ``Epoch`` whose ``world_size`` is not its rank count, whose
+ranks repeat, or whose expert map points past its ranks or is not contiguous; a
+``Desired`` past ``MAX_ENGINES``; ...). What needs the cluster's context (the epoch's
+expert map covers the model's experts, its rendezvous is a known node's) is
+:func:`epoch_problem`, for the callers that have it.
 """
 
 from __future__ import annotations
 
 from enum import Enum
 from typing import TypeVar
+
+import math
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import msgspec
 
@@ -134,18 +148,150 @@ T = TypeVar("T")
 
 _ENCODER = msgspec.json.Encoder()
 
+MAX_TEXT_CHARS = 4096     # any string in a record (ids, addresses, errors, progress)
+MAX_ITEMS = 65536         # any list or dict in a record (ranks, expert map, addresses)
+MAX_INT = 2**63 - 1       # any integer
+MAX_ENGINES = 4096        # a desired size or a world size
+MAX_RECORD_BYTES = 4 << 20
+
 
 def encode(record: msgspec.Struct) -> bytes:
     return _ENCODER.encode(record)
 
 
 def decode(key: str | bytes, data: bytes, cls: type[T]) -> T:
-    """Decode ``data`` stored at ``key`` into ``cls``; :class:`RecordDecodeError` if not."""
+    """Decode ``data`` stored at ``key`` into ``cls`` and check it (module docstring);
+    :class:`RecordDecodeError` if it is not one, or not a sane one."""
+    name = key.decode("utf-8", "replace") if isinstance(key, bytes) else key
+    if len(data) > MAX_RECORD_BYTES:
+        raise RecordDecodeError(name, ValueError(f"{len(data)} bytes, more than {MAX_RECORD_BYTES}"))
     try:
-        return msgspec.json.decode(data, type=cls)
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        name = key.decode() if isinstance(key, bytes) else key
+        record = msgspec.json.decode(data, type=cls)
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError, ValueError, TypeError) as exc:
         raise RecordDecodeError(name, exc) from exc
+    problem = _bounds_problem(record, "$") or _CHECKS.get(cls, _no_check)(record)
+    if problem:
+        raise RecordDecodeError(name, ValueError(problem))
+    return record
+
+
+def _bounds_problem(value: Any, path: str, depth: int = 0) -> str | None:
+    """The first string too long, container too big, or number negative, not finite or
+    too large in ``value`` (a decoded record), else None."""
+    if depth > 16:
+        return f"{path}: nested too deep"
+    if isinstance(value, bool) or value is None:
+        return None
+    if isinstance(value, str):
+        return f"{path}: a string of {len(value)} characters" if len(value) > MAX_TEXT_CHARS else None
+    if isinstance(value, int):
+        return None if 0 <= value <= MAX_INT else f"{path}: {value} is out of range"
+    if isinstance(value, float):
+        return None if math.isfinite(value) and value >= 0 else f"{path}: {value} is not a finite number >= 0"
+    if isinstance(value, Enum):
+        return None
+    if isinstance(value, msgspec.Struct):
+        items: Iterable[tuple[str, Any]] = ((f, getattr(value, f)) for f in value.__struct_fields__)
+    elif isinstance(value, dict):
+        if len(value) > MAX_ITEMS:
+            return f"{path}: {len(value)} entries"
+        for k in value:
+            problem = _bounds_problem(k, f"{path} key", depth + 1)
+            if problem:
+                return problem
+        items = ((str(k)[:40], v) for k, v in value.items())
+    elif isinstance(value, (list, tuple)):
+        if len(value) > MAX_ITEMS:
+            return f"{path}: {len(value)} items"
+        items = ((str(i), v) for i, v in enumerate(value))
+    else:
+        return None
+    for name, item in items:
+        problem = _bounds_problem(item, f"{path}.{name}", depth + 1)
+        if problem:
+            return problem
+    return None
+
+
+def _segment_problem(kind: str, value: str) -> str | None:
+    return None if value and "/" not in value else f"{kind} {value!r} is empty or has a '/'"
+
+
+def address_problem(address: str) -> str | None:
+    """Why ``address`` is not ``host:port`` (port 1-65535), or None."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not host.strip("[]") or not port.isdigit() or not 0 < int(port) < 65536:
+        return f"{address!r} is not host:port"
+    return None
+
+
+def _epoch_problem(epoch: Epoch) -> str | None:
+    """An epoch's own consistency (no cluster context needed)."""
+    if epoch.world_size != len(epoch.ranks):
+        return f"world_size {epoch.world_size} but {len(epoch.ranks)} ranks"
+    if epoch.world_size > MAX_ENGINES:
+        return f"world_size {epoch.world_size} is over {MAX_ENGINES}"
+    if len(set(epoch.ranks)) != len(epoch.ranks):
+        return "a rank appears twice"
+    for engine_id in epoch.ranks:
+        problem = _segment_problem("rank engine id", engine_id)
+        if problem:
+            return problem
+    if epoch.expert_map and not epoch.ranks:
+        return "an expert map without ranks"
+    if any(r >= epoch.world_size for r in epoch.expert_map):
+        return f"an expert mapped to a rank past world_size {epoch.world_size}"
+    if any(b < a for a, b in zip(epoch.expert_map, epoch.expert_map[1:])):
+        return "the expert map is not contiguous (rank numbers go down)"
+    if epoch.rendezvous:
+        return address_problem(epoch.rendezvous)
+    return None
+
+
+def epoch_problem(epoch: Epoch, *, num_experts: int | None = None,
+                  rendezvous_addresses: Iterable[str] | None = None) -> str | None:
+    """Why ``epoch`` must not be acted on in this cluster, or None: its own consistency,
+    its expert map covering ``num_experts`` (when a rank holds them), its rendezvous one of
+    ``rendezvous_addresses`` (the known nodes')."""
+    problem = _epoch_problem(epoch)
+    if problem:
+        return problem
+    if num_experts is not None and epoch.ranks and len(epoch.expert_map) != num_experts:
+        return f"the expert map covers {len(epoch.expert_map)} experts, the model has {num_experts}"
+    if rendezvous_addresses is not None and epoch.ranks:
+        known = set(rendezvous_addresses)
+        if epoch.rendezvous not in known:
+            return f"rendezvous {epoch.rendezvous!r} is no known node's ({', '.join(sorted(known)) or 'none'})"
+    return None
+
+
+def desired_problem(desired: Desired, max_engines: int) -> str | None:
+    """Why ``desired`` must not be acted on (its size not within [1, max_engines]), or None."""
+    if not 1 <= desired.num_engines <= max_engines:
+        return f"desired size {desired.num_engines} is not within [1, {max_engines}]"
+    return None
+
+
+def _desired_problem(desired: Desired) -> str | None:
+    if desired.num_engines > MAX_ENGINES:
+        return f"desired size {desired.num_engines} is over {MAX_ENGINES}"
+    return _segment_problem("op_id", desired.op_id)
+
+
+def _node_problem(node: NodeInfo) -> str | None:
+    return _segment_problem("node_id", node.node_id)
+
+
+def _engine_problem(record: EngineRecord) -> str | None:
+    return _segment_problem("engine_id", record.engine_id) or _segment_problem("node_id", record.node_id)
+
+
+def _no_check(_record: Any) -> None:
+    return None
+
+
+_CHECKS: dict[type, Callable[[Any], str | None]] = {
+    Epoch: _epoch_problem, Desired: _desired_problem, NodeInfo: _node_problem, EngineRecord: _engine_problem}
 
 
 def _check_segment(kind: str, value: str) -> str:

@@ -26,7 +26,7 @@ from typing import Any
 import grpc
 import structlog
 
-from planaria.elastic.errors import EtcdUnavailableError
+from planaria.elastic.errors import EtcdUnavailableError, RecordDecodeError
 from planaria.elastic.etcd_client import (DEFAULT_RPC_TIMEOUT_S, ClientFactory, client_factory,
                                  etcd_call, is_lease_not_found)
 from planaria.elastic.etcd_security import EtcdSecurity
@@ -246,7 +246,7 @@ class Membership:
             try:
                 out.append(decode(meta.key, value, cls))
             except Exception as exc:  # noqa: BLE001 - one bad record must not hide the rest
-                log.warning("record_skipped", key=meta.key.decode(), error=str(exc))
+                log.error("record_refused", key=meta.key.decode("utf-8", "replace"), error=str(exc))
         return out
 
     def watch_engines(self, callback: Callable[[str, EngineRecord | None], None]) -> KeyWatch:
@@ -258,7 +258,11 @@ class Membership:
         def on_events(events: list[Any]) -> None:
             for ev in events:
                 engine_id = KeyLayout.last_segment(ev.key)
-                record = decode(ev.key, ev.value, EngineRecord) if ev.value is not None else None
+                try:
+                    record = decode(ev.key, ev.value, EngineRecord) if ev.value is not None else None
+                except RecordDecodeError as exc:  # refused; the rest of the batch still counts
+                    log.error("record_refused", key=ev.key, error=str(exc))
+                    continue
                 callback(engine_id, record)
         return self.watch_prefix(self.layout.engines_prefix, on_events)
 

@@ -10,6 +10,11 @@ callback. This one owns its stream and its thread:
 
 So after an outage, a compaction or a missed event the callback still converges to the
 true contents: every key ends with its latest PUT, or a DELETE if it went away.
+
+Values are handed on as bytes, undecoded: their readers decode and check them
+(elastic/keys.py ``decode``). A key that is not UTF-8 arrives with its bad bytes escaped
+(``surrogateescape``), and nothing in a stream (a bad key, a callback's error) can end the
+watch thread: only :meth:`KeyWatch.stop` does.
 """
 
 from __future__ import annotations
@@ -109,6 +114,10 @@ class KeyWatch:
                 if self._stopped.is_set():
                     break
                 log.debug("watch_broken", watch=self._name, error=str(exc))
+            except Exception:  # noqa: BLE001 - whatever etcd sends, the watch goes on
+                if self._stopped.is_set():
+                    break
+                log.exception("watch_failed", watch=self._name)
             self._watching.clear()
             self._stopped.wait(backoff_s)
             backoff_s = min(backoff_s * 2, self._max_backoff_s)
@@ -119,7 +128,7 @@ class KeyWatch:
         else:
             resp = self._client.get_prefix_response(self._key)
         seen: dict[str, tuple[bytes, int, int]] = {
-            kv.key.decode(): (kv.value, kv.mod_revision, kv.create_revision) for kv in resp.kvs}
+            _text(kv.key): (kv.value, kv.mod_revision, kv.create_revision) for kv in resp.kvs}
         revision = resp.header.revision
         events = []
         for key in sorted(set(self._cache) - set(seen)):
@@ -175,10 +184,14 @@ class KeyWatch:
 
 
 def _event(ev: Any) -> WatchEvent:
-    key = ev.kv.key.decode()
+    key = _text(ev.kv.key)
     if ev.type == ev.PUT:
         return WatchEvent(PUT, key, ev.kv.value, ev.kv.mod_revision, ev.kv.create_revision)
     return WatchEvent(DELETE, key, None, ev.kv.mod_revision)
+
+
+def _text(key: bytes) -> str:
+    return key.decode("utf-8", "surrogateescape")
 
 
 def _drain(requests: queue.Queue[Any]) -> Iterator[Any]:

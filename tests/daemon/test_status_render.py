@@ -55,3 +55,17 @@ def test_standby_line():
           "processes": [{"pid": 41, "state": "ready", "uptime_s": 75.0}]}
     text = status.render({**data(EP, engine(0)), "standby": sb})
     assert "standby: pid 41 ready (1m15s); 2 taken; next starts in 7s" in text.splitlines()
+
+
+def test_embedded_etcd_line_with_and_without_an_outage():
+    etcd = {"state": "running", "pid": 4242, "endpoint": "127.0.0.1:2379", "restarts": 1, "uptime_s": 5.0,
+            "last_exit": "killed by SIGKILL", "restart_in_s": None, "reason": ""}
+    lines = status.render(data({**EP, "etcd": etcd}, engine(0))).splitlines()
+    assert ("etcd (embedded): running pid 4242 on 127.0.0.1:2379, uptime 0m05s, restarts 1 "
+            "(last exit: killed by SIGKILL)") in lines
+    down = {**etcd, "state": "backoff", "pid": None, "uptime_s": None, "restart_in_s": 0.4}
+    lines = status.render(data({"error": "etcd unreachable: down", "etcd": down}, engine(0))).splitlines()
+    assert "expert parallel: etcd unreachable: down" in lines
+    assert ("etcd (embedded): backoff on 127.0.0.1:2379, restarts 1 (last exit: killed by SIGKILL); "
+            "restarting in 0.4s") in lines
+    assert not any(line.startswith("etcd (embedded)") for line in status.render(data(EP, engine(0))).splitlines())

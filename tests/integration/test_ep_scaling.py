@@ -117,6 +117,11 @@ def test_etcd_outage_mid_load_loses_nothing(deployment, bodies, reference):
         time.sleep(4)
         with pytest.raises(Exception):
             d.scale(3)  # membership changes are refused while etcd is down
+        # etcd stays down until serving has visibly gone on without it (a request finished
+        # and a new one taken): a fixed outage was too short on a CPU-starved host.
+        num_done = run.load.num_done
+        run.load.wait_done(num_done + 1, timeout_s=120)
+        assert wait_for(lambda: any(r.started_at > down_at for r in list(run.load.records)), 120)
         up_at = time.time()
         d.etcd.start()
     ep, _ = d.wait_serving(2, timeout_s=60)

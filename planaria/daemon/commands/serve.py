@@ -19,6 +19,10 @@ second signal kills at once); SIGHUP reloads. Exit codes: 0 stopped cleanly; 1 f
 admin keys, or every engine refused by the frontend for its config hash / protocol
 version; an engine that exits so is not restarted, see daemon/restart_policy.py).
 
+HTTP protection: --api-key (or $PLANARIA_API_KEY; handed to the frontend in its
+environment, never on a command line), --max-inflight-requests, --request-timeout-s,
+--max-body-bytes, --max-connections and the other frontend limits in docs/http_api.md.
+
 Remote admin: --admin-tcp HOST:PORT also serves the admin socket on TCP with CurveZMQ.
 The server key pair is made on the first start in --admin-keys-dir (default
 STATE_DIR/admin-keys: server.key is the public half clients need); clients are those
@@ -156,29 +160,40 @@ def _admin_tcp(config, log) -> dict:
 def _start_ep(config, supervisor, log):
     """Embedded etcd (unless --etcd-endpoints), this node's lease, record, election and leader
     controller; engines are this supervisor's children, started as EP ranks, as many as the
-    leader's placement gives this node (its --engines until there is one)."""
+    leader's placement gives this node (its --engines until there is one).
+
+    The embedded etcd is a supervised child (daemon/etcd_keeper.py: restarted with backoff
+    on the same data directory, health-checked, killed with the daemon) with auth on: the
+    root credential is made once in STATE_DIR/etcd/root.password (0600) and used by this
+    daemon and, through their environment (paths and user only), its engines."""
     from planaria.daemon.ep_supervisor import EPSupervisor
+    from planaria.daemon.etcd_keeper import EtcdKeeper
     from planaria.daemon.launch import node_id
     from planaria.elastic.cluster import EPNode
+    from planaria.elastic.etcd_auth import root_credential
     from planaria.elastic.etcd_server import EmbeddedEtcd, free_port, url_host
     from planaria.engine.models.loader import load_hf_config, spec_from_config
 
     if not spec_from_config(load_hf_config(config.model)).is_moe:
         raise ValueError(f"--parallel ep needs a mixture-of-experts model; {config.model} is dense")
-    etcd = None
+    keeper = None
     endpoints = config.etcd_endpoints
+    security = config.etcd_security()
     if not endpoints:
         host, port = config.etcd_listen_address()
-        etcd = EmbeddedEtcd(Path(config.state_dir) / "etcd", client_port=port, host=host)
-        etcd.start()
+        etcd_dir = Path(config.state_dir) / "etcd"
+        security = root_credential(etcd_dir)
+        # A fixed member name: the data dir remembers it across daemon restarts.
+        etcd = EmbeddedEtcd(etcd_dir, client_port=port, host=host, name="planaria", die_with_parent=True)
+        keeper = EtcdKeeper(etcd, password=security.password()).start()
         endpoints = etcd.endpoint
-        log.info("embedded etcd started", endpoint=endpoints, pid=etcd.pid)
-    security = config.etcd_security()
+        log.info("embedded etcd started", endpoint=endpoints, pid=keeper.pid,
+                 password_file=security.password_file)
     supervisor.launcher.etcd_endpoints = endpoints
     supervisor.launcher.etcd_env = security.to_env()  # engines: paths and user via env, never argv
     host = config.advertise_host or "127.0.0.1"
     rendezvous = config.rendezvous or f"{url_host(host)}:{free_port(host)}"
-    addresses = {"http": config.http, **({"etcd": endpoints} if etcd is not None else {})}
+    addresses = {"http": config.http, **({"etcd": endpoints} if keeper is not None else {})}
     node = EPNode(node_id(config), config.cluster, endpoints.split(","), model_dir=config.model,
                   launcher=None, initial_engines=config.num_engines, rendezvous=rendezvous,
                   security=security, host=host, addresses=addresses, place_engines=True,
@@ -186,19 +201,19 @@ def _start_ep(config, supervisor, log):
     try:
         node.start()
     except Exception:
-        if etcd is not None:
-            etcd.stop()
+        if keeper is not None:
+            keeper.stop()
         raise
-    supervisor.ep = EPSupervisor(node, supervisor.log)
+    supervisor.ep = EPSupervisor(node, supervisor.log, etcd=keeper)
     log.info("expert parallelism on", cluster=config.cluster, node=node.node_id, host=host,
              rendezvous=rendezvous, etcd=endpoints)
-    return node, etcd
+    return node, keeper
 
 
 def _stop_ep(parts) -> None:
-    node, etcd = parts
+    node, keeper = parts
     try:
         node.stop()
     finally:
-        if etcd is not None:
-            etcd.stop()
+        if keeper is not None:
+            keeper.stop()  # the embedded etcd, by pid

@@ -11,7 +11,9 @@ With --parallel ep, "ep" holds the epoch, its ranks, whether this node leads, th
 cluster's desired count, the leader's placement (node -> engines, and "unplaced" when
 capacity is short), the nodes (host, HTTP address, --engines, --max-engines), the active
 scale op ("op") and the last finished one ("last_op", with the error of a failed one),
-and every engine's etcd record (its node among them); the text view shows them above the
+and every engine's etcd record (its node among them), and "etcd": the embedded etcd's
+process (state, pid, restarts, endpoint, the last exit; None with --etcd-endpoints), also
+while etcd is unreachable; the text view shows them above the
 table, and each local engine's epoch and record state in it. The table lists this
 node's engines; the other nodes' are in the placement line. "standby" (EP, --standby N)
 lists the warm standby processes (pid, "warming" or "ready", uptime), how many were taken
@@ -100,14 +102,32 @@ def standby_line(sb: dict[str, Any]) -> str:
     return line
 
 
+def etcd_line(etcd: dict[str, Any]) -> str:
+    """The embedded etcd child: state, pid, uptime, restarts, and why it last exited."""
+    line = f"etcd (embedded): {etcd['state']}"
+    if etcd.get("pid") is not None:
+        line += f" pid {etcd['pid']}"
+    if etcd.get("endpoint"):
+        line += f" on {etcd['endpoint']}"
+    if etcd.get("uptime_s") is not None:
+        line += f", uptime {_fmt_s(etcd['uptime_s'])}"
+    line += f", restarts {etcd.get('restarts', 0)}"
+    if etcd.get("last_exit"):
+        line += f" (last exit: {etcd['last_exit']})"
+    if etcd.get("restart_in_s") is not None:
+        line += f"; restarting in {etcd['restart_in_s']:.1f}s"
+    return line
+
+
 def ep_lines(ep: dict[str, Any]) -> list[str]:
     """The expert-parallel summary: epoch and ranks, the active op, the last finished one."""
+    etcd = [etcd_line(ep["etcd"])] if ep.get("etcd") else []
     if ep.get("error"):
-        return [f"expert parallel: {ep['error']}"]
+        return [f"expert parallel: {ep['error']}", *etcd]
     epoch = "-" if ep.get("epoch") is None else ep["epoch"]
     ranks = ", ".join(ep.get("ranks") or []) or "none"
     lines = [f"expert parallel: epoch {epoch}, {ep.get('world_size', 0)} rank(s): {ranks}"
-             + ("; this node leads" if ep.get("leader") else "")]
+             + ("; this node leads" if ep.get("leader") else ""), *etcd]
     if ep.get("placement") is not None:
         nodes = ep.get("nodes") or {}
         placed = ", ".join(f"{n} {c}" + (f"/{nodes[n]['max_engines']}" if nodes.get(n, {}).get("max_engines")
