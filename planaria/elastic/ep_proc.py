@@ -41,7 +41,7 @@ import msgspec
 from planaria.elastic.ep import CollectiveError, EPSpec
 from planaria.elastic.ep_engine import EPRank, make_ep_core
 from planaria.elastic.etcd_security import EtcdSecurity
-from planaria.elastic.keys import EngineRecord, EngineRecordState, Epoch, KeyLayout, decode
+from planaria.elastic.keys import EngineRecord, EngineRecordState, Epoch, KeyLayout, decode, epoch_problem
 from planaria.engine import envs
 from planaria.engine.config import EngineConfig
 from planaria.engine.errors import RequestExecutionError
@@ -71,6 +71,7 @@ class EPEngineCoreProc(EngineCoreProc):
         self.ep: EPRank | None = None
         self._epoch_lock = threading.Lock()
         self._latest_epoch: Epoch | None = None
+        self._num_experts: int | None = None  # the model's, for the epoch check
         self._membership = None
         self._watch = None
         self._preparing: EPSpec | None = None  # an epoch naming us, arrived, not yet formed
@@ -121,10 +122,34 @@ class EPEngineCoreProc(EngineCoreProc):
             except Exception as exc:
                 log.error("undecodable epoch: %s", exc)
                 continue
+            problem = self._epoch_refusal(epoch)
+            if problem:
+                log.error("engine %s: epoch %d refused: %s", self.engine_id, epoch.number, problem)
+                continue
             with self._epoch_lock:
                 if self._latest_epoch is None or epoch.number > self._latest_epoch.number:
                     self._latest_epoch = epoch
             self.input_queue.put((None, MsgType.WAKEUP, None))  # the loop takes the epoch
+
+    def _epoch_refusal(self, epoch: Epoch) -> str | None:
+        """Why this engine must not act on ``epoch`` (keys.epoch_problem with what this
+        engine knows: the model's expert count, the rendezvous addresses of the nodes in
+        etcd), or None."""
+        if self._num_experts is None:
+            try:
+                from planaria.engine.models.loader import load_hf_config, spec_from_config
+
+                self._num_experts = spec_from_config(load_hf_config(self.config.model)).num_experts
+            except Exception:  # noqa: BLE001 - the load reports a bad model itself
+                pass
+        known = None
+        if epoch.ranks and self._membership is not None:
+            try:
+                known = {n.addresses.get("rendezvous", "") for n in self._membership.list_nodes()}
+            except Exception as exc:  # noqa: BLE001 - etcd unreachable: checked without them
+                log.warning("engine %s: node records not read (%s); rendezvous not checked",
+                            self.engine_id, exc)
+        return epoch_problem(epoch, num_experts=self._num_experts, rendezvous_addresses=known)
 
     def _spec_for(self, epoch: Epoch) -> EPSpec:
         rank = epoch.ranks.index(self.engine_id) if self.engine_id in epoch.ranks else -1

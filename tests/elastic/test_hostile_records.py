@@ -140,3 +140,29 @@ def test_a_forged_rendezvous_is_logged_not_followed_by_the_leader(leader):
     assert any("no known node" in r for r in c._refusals)
     epoch, _rev = store.read_epoch()
     assert epoch.number == 9  # the leader's own next epoch will be at its own rendezvous
+
+
+def test_an_ep_engine_refuses_an_epoch_at_an_unknown_rendezvous(make_membership, cluster, tmp_path):
+    """The engine's own check (elastic/ep_proc.py) before it acts on an epoch: its
+    consistency, the model's expert count, and a rendezvous among the node records in etcd."""
+    from planaria.elastic.ep_proc import EPEngineCoreProc
+    from planaria.engine.config import EngineConfig
+    from planaria.engine.demo_model import build_demo_model
+
+    model = tmp_path / "tiny-moe"
+    build_demo_model(model, "tiny-moe", progress=lambda _: None)
+    from planaria.engine.models.loader import load_hf_config, spec_from_config
+
+    num_experts = spec_from_config(load_hf_config(str(model))).num_experts
+    m = make_membership("n")
+    m.register_node(NodeInfo(node_id="n", host="127.0.0.1", addresses={"rendezvous": "127.0.0.1:29500"}))
+    proc = EPEngineCoreProc(0, "n-e0", "n", [], EngineConfig(model=str(model)), [], cluster)
+    proc._membership = m
+    half = num_experts // 2
+    good = Epoch(number=3, world_size=2, ranks=["n-e0", "n-e1"], expert_map=[0] * half + [1] * half,
+                 rendezvous="127.0.0.1:29500")
+    assert proc._epoch_refusal(good) is None
+    forged = Epoch(**{**{f: getattr(good, f) for f in good.__struct_fields__}, "rendezvous": "10.6.6.6:1234"})
+    assert "no known node" in proc._epoch_refusal(forged)
+    short = Epoch(**{**{f: getattr(good, f) for f in good.__struct_fields__}, "expert_map": [0, 1]})
+    assert f"model has {num_experts}" in proc._epoch_refusal(short)
