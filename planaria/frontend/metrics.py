@@ -147,7 +147,7 @@ class FrontendMetrics:
             self._seen[e.index] = (e.pid, e.state)
 
     # -- exposition ------------------------------------------------------------------------
-    def render(self, engines=(), num_in_flight: int = 0) -> str:
+    def render(self, engines=(), num_in_flight: int = 0, max_in_flight: int | None = None) -> str:
         self.observe_engines(engines)
         lines: list[str] = []
         for h in (self.ttft, self.itl, self.e2e, self.replay_latency):
@@ -183,5 +183,10 @@ class FrontendMetrics:
         lines.append(f"# HELP {p}_http_requests_in_flight Generation requests this frontend is serving.")
         lines.append(f"# TYPE {p}_http_requests_in_flight gauge")
         lines.append(f"{p}_http_requests_in_flight {num_in_flight}")
+        if max_in_flight is not None:
+            lines.append(f"# HELP {p}_http_max_requests_in_flight The bound beyond which requests get 429 "
+                         "(--max-inflight-requests).")
+            lines.append(f"# TYPE {p}_http_max_requests_in_flight gauge")
+            lines.append(f"{p}_http_max_requests_in_flight {max_in_flight}")
         self.iterations.render(lines)
         return "\n".join(lines) + "\n"

@@ -172,7 +172,8 @@ class FrontendServer:
         return web.json_response(R.model_list(m.name, self.created, self.serving.max_model_len, m.path, versions))
 
     async def metrics_text(self, request: web.Request) -> web.Response:
-        text = self.metrics.render(self.client.engines, self.num_in_flight)
+        text = self.metrics.render(self.client.engines, self.num_in_flight,
+                                   max_in_flight=self.limits.max_inflight_requests)
         return web.Response(text=text, content_type="text/plain", charset="utf-8",
                             headers={"X-Prometheus-Format": "0.0.4"})
 
