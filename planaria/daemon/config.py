@@ -98,7 +98,7 @@ class ServeConfig(msgspec.Struct, kw_only=True, frozen=True):
     # The frontend's HTTP limits and API key (frontend/limits.py ServerLimits; docs/http_api.md).
     max_body_bytes: int = 4 * 2**20
     body_read_timeout_s: float = 30.0
-    keep_alive_timeout_s: float = 5.0
+    keep_alive_timeout_s: float = 75.0
     max_connections: int = 1024
     max_inflight_requests: int = 0  # 0: 4 x max_num_seqs x engines
     request_timeout_s: float = 600.0
@@ -308,7 +308,7 @@ _FLAGS: list[tuple[str, str, Any, str]] = [
     ("--body-read-timeout-s", "body_read_timeout_s", float,
      "a request body not read in full this long is a 408, connection closed (default 30)"),
     ("--keep-alive-timeout-s", "keep_alive_timeout_s", float,
-     "an idle HTTP keep-alive connection is closed after this long (default 5)"),
+     "an idle HTTP keep-alive connection is closed after this long (default 75)"),
     ("--max-connections", "max_connections", int,
      "open HTTP connections beyond this get a 503 and are closed (default 1024)"),
     ("--max-inflight-requests", "max_inflight_requests", int,

@@ -87,10 +87,10 @@ class Generator:
     def _on_engine_lost(self, engine_index: int, reason: str) -> None:
         engine_of = getattr(self._client, "engine_of", None)
         if engine_of is not None:
-            for rid in self.journal.request_ids():
-                entry = self.journal.get(rid)
-                if entry.engine_index is None and entry.lost_at_s is None:
-                    self.journal.on_submitted(rid, engine_of(entry.engine_request_id))
+            # a replay sent since its last loss too: engine 1 killed with engine 0, its
+            # death seen after engine 0's requests were replayed onto it
+            for entry in self.journal.unplaced():
+                self.journal.on_submitted(entry.request_id, engine_of(entry.engine_request_id))
         died_s = None  # when it died: the engine's own report, else the supervisor's
         for info in getattr(self._client, "engines", None) or ():
             if getattr(info, "index", None) == engine_index:

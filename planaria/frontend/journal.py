@@ -27,8 +27,12 @@ was replayed. When an engine dies the requests it held are marked lost; for each
   died_monotonic_s)``: CLOCK_MONOTONIC, one clock for a machine's processes), a death
   from before the send is not counted: the request never ran there (two engines killed
   at once: the first one's requests, replayed onto the second before its death notice
-  arrived, did not kill it). ``quarantine_after=0`` turns the quarantine off, leaving
-  ``max_replays`` alone to bound the replays.
+  arrived, did not kill it). A death time is when the death was seen, a few ms (more on a
+  loaded host) after it happened, so a death seen less than ``DEATH_TIME_SLACK_S`` after
+  the send, with no token from that engine, counts as from before the send too; a request
+  that kills an engine that fast is bounded by ``max_replays`` instead.
+  ``quarantine_after=0`` turns the quarantine off, leaving ``max_replays`` alone to bound
+  the replays.
 
     journal = RequestJournal(max_replays=3)
     journal.open(ecr)                         # before the first submission
@@ -53,6 +57,10 @@ from planaria.engine.messages import EngineCoreRequest
 
 DEFAULT_MAX_REPLAYS = 3
 DEFAULT_QUARANTINE_AFTER = 2  # engines that died with the request in flight
+# A death time is when a supervisor or the engine saw the death, which can be a few ms (more
+# on a loaded host) after the death itself: a death seen less than this after the send,
+# with no token from that engine, is taken as from before the send.
+DEATH_TIME_SLACK_S = 0.25
 REPLAY_ID_SEP = "~r"
 
 
@@ -67,6 +75,8 @@ class JournalEntry:
     lost_at_s: float | None = None  # when its engine's loss became known (journal clock)
     sent_monotonic_s: float | None = None  # when the current incarnation was sent (on_sent)
     died_monotonic_s: float | None = None  # when the engine it was lost with died, if known
+    tokens_since_sent: int = 0  # tokens from the current incarnation (it ran there)
+    lost_incarnation: str | None = None  # the engine request id whose loss was last marked
     awaiting_first_token: bool = False  # replayed, no token from the replay yet
 
     @property
@@ -134,13 +144,22 @@ class RequestJournal:
         """Its current incarnation is being sent to an engine (time.monotonic())."""
         entry = self._entries[request_id]
         entry.sent_monotonic_s, entry.died_monotonic_s = monotonic_s, None
+        entry.tokens_since_sent = 0
+
+    def unplaced(self) -> list[JournalEntry]:
+        """Entries whose current incarnation is not known lost and whose engine is not
+        recorded yet (a replay on its way: its engine is known to the client only)."""
+        return [e for e in self._entries.values()
+                if e.engine_index is None and e.lost_incarnation != e.engine_request_id]
 
     def on_submitted(self, request_id: str, engine_index: int | None) -> None:
         self._entries[request_id].engine_index = engine_index
 
     def on_tokens(self, request_id: str, token_ids: list[int]) -> None:
         """Tokens that reached the client (after the caller's detokenizer took them)."""
-        self._entries[request_id].output_token_ids.extend(token_ids)
+        entry = self._entries[request_id]
+        entry.output_token_ids.extend(token_ids)
+        entry.tokens_since_sent += len(token_ids)
 
     def on_replay_token(self, request_id: str) -> float | None:
         """Call on every output with tokens; the first after a replay returns the time from
@@ -173,18 +192,30 @@ class RequestJournal:
 
     def _mark_lost(self, entry: JournalEntry, now: float) -> None:
         entry.engine_index = None
+        entry.lost_incarnation = entry.engine_request_id
         if entry.lost_at_s is None:
             entry.lost_at_s = now
+
+    @staticmethod
+    def _died_before_sent(entry: JournalEntry) -> bool:
+        """The engine was (very likely) dead before this incarnation reached it: its death was
+        seen before the send, or within DEATH_TIME_SLACK_S after it with no token from it."""
+        if entry.died_monotonic_s is None or entry.sent_monotonic_s is None:
+            return False
+        if entry.died_monotonic_s < entry.sent_monotonic_s:
+            return True
+        return (entry.tokens_since_sent == 0
+                and entry.died_monotonic_s - entry.sent_monotonic_s < DEATH_TIME_SLACK_S)
 
     def decide(self, request_id: str) -> Replay | FailRequest:
         """Call once per loss of the request's current incarnation (its engine died)."""
         entry = self._entries[request_id]
         if entry.lost_at_s is None:
             self.on_lost(request_id)
-        if not (entry.died_monotonic_s is not None and entry.sent_monotonic_s is not None
-                and entry.died_monotonic_s < entry.sent_monotonic_s):
-            entry.num_engine_deaths += 1  # not when the engine was dead before it was sent
+        if not self._died_before_sent(entry):
+            entry.num_engine_deaths += 1
         entry.sent_monotonic_s = entry.died_monotonic_s = None
+        entry.tokens_since_sent = 0
         p = entry.request.sampling_params
         n = entry.num_output_tokens
         if p.max_tokens is not None and n >= p.max_tokens:

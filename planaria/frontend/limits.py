@@ -53,7 +53,10 @@ class ServerLimits:
 
     max_body_bytes: int = 4 * 2**20
     body_read_timeout_s: float = 30.0
-    keep_alive_timeout_s: float = 5.0
+    # Longer than the idle expiry of common clients (httpx 5 s, aiohttp 15 s), as aiohttp's and
+    # nginx's 75 s: the client closes an idle connection first, so a request sent on one is
+    # never raced by the server's close ("Can not write request body" / connection reset).
+    keep_alive_timeout_s: float = 75.0
     max_connections: int = 1024
     max_inflight_requests: int = 512
     request_timeout_s: float = 600.0

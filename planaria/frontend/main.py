@@ -13,7 +13,7 @@ them in the engines) and the process exits 0.
 
 Limits and protection (defaults in brackets; docs/http_api.md has the whole list):
 ``--max-body-bytes`` [4 MiB], ``--body-read-timeout-s`` [30], ``--keep-alive-timeout-s``
-[5], ``--max-connections`` [1024], ``--max-inflight-requests`` [4 x max_num_seqs x
+[75], ``--max-connections`` [1024], ``--max-inflight-requests`` [4 x max_num_seqs x
 engines], ``--request-timeout-s`` [600], ``--render-timeout-s`` [20] and
 ``--render-threads`` [4]. ``--api-key`` (better: the environment variable
 ``PLANARIA_API_KEY``, which ``planaria serve`` uses, so the key is not in ``ps``) makes

