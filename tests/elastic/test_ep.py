@@ -126,6 +126,7 @@ def test_ep_two_ranks_equals_single_engine(tiny_moe, reference):
     assert _run(tiny_moe, [2]) == reference
 
 
+@pytest.mark.slow  # make test-all (the default suite stays within CI's time; see README)
 def test_ep_switch_two_to_three_keeps_outputs(tiny_moe, reference):
     # Ranks 0-1 start at epoch 0; rank 2 joins at epoch 1 (world 3); experts re-homed.
     assert _run(tiny_moe, [2, 3]) == reference

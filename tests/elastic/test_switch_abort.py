@@ -78,6 +78,7 @@ def _failing_scale_up(d: EPDeployment, before: set[str]) -> tuple[str, object, o
     return joiner, op, after
 
 
+@pytest.mark.slow  # make test-all (the default suite stays within CI's time; see README)
 def test_failed_switch_is_aborted_and_the_old_ranks_keep_serving(tmp_path, tiny_moe):
     bodies = request_bodies(12, (16, 40), seed=5)
     reference = _reference(tiny_moe, bodies)

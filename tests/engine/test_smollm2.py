@@ -75,6 +75,7 @@ def test_dense_greedy_parity_with_transformers(real_models, prompts, reference):
     assert "Paris" in outs[0].text and "Tokyo" in outs[1].text, (outs[0].text, outs[1].text)
 
 
+@pytest.mark.slow  # make test-all (the default suite stays within CI's time; see README)
 def test_upcycled_moe_gives_the_dense_tokens(real_models, prompts, reference):
     model = real_models("smollm2-moe")
     cfg = json.loads((Path(model) / "config.json").read_text())

@@ -99,7 +99,7 @@ def test_fuzz_http_api_no_5xx_and_the_engine_survives(stack):
     statuses: collections.Counter = collections.Counter()
     bad: list[str] = []
 
-    @settings(max_examples=300, deadline=None, database=None, derandomize=True,
+    @settings(max_examples=200, deadline=None, database=None, derandomize=True,
               suppress_health_check=list(HealthCheck))
     @given(case=cases())
     def one(case):

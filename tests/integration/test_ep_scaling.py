@@ -93,6 +93,7 @@ def test_scale_up_and_down_under_load(deployment, bodies, reference):
     assert ep2.ranks == ep0.ranks
 
 
+@pytest.mark.slow  # make test-all (the default suite stays within CI's time; see README)
 def test_sigkill_of_a_rank_mid_load(deployment, bodies, reference):
     d = deployment
     ep0 = d.epoch()
@@ -107,6 +108,7 @@ def test_sigkill_of_a_rank_mid_load(deployment, bodies, reference):
     assert num_replayed >= 1, "the killed rank's requests were not replayed"
 
 
+@pytest.mark.slow  # make test-all (the default suite stays within CI's time; see README)
 def test_etcd_outage_mid_load_loses_nothing(deployment, bodies, reference):
     d = deployment
     ep0 = d.epoch()

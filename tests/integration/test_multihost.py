@@ -221,6 +221,7 @@ def test_two_nodes_form_one_group_and_serve_the_single_engine_output(nodes, refe
     assert "expert parallel: epoch" in a.cli("status").stdout and "placement: a 1/2" in a.cli("status").stdout
 
 
+@pytest.mark.slow  # make test-all (the default suite stays within CI's time; see README)
 def test_scale_to_3_places_the_third_engine_then_back_to_2(nodes, reference):
     a, b = nodes
     r = b.cli("scale", "to", "3", "--wait")  # any node writes the cluster's desired
@@ -250,6 +251,7 @@ def test_sigkilled_rank_on_node_b_is_reformed_around_and_rejoins(nodes, referenc
     assert _text(b) == reference and _text(a) == reference
 
 
+@pytest.mark.slow  # make test-all (the default suite stays within CI's time; see README)
 def test_a_node_left_without_engines_is_not_ready(nodes, reference):
     """No replay across nodes: a node whose last engine leaves answers /ready 503, so a load
     balancer stops sending it requests; it is ready again once it has an engine."""

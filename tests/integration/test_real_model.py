@@ -115,6 +115,7 @@ def test_json_schema_output_validates_and_is_sensible(daemon):
     assert "France" in obj["country"] and "Paris" in obj["capital"], obj
 
 
+@pytest.mark.slow  # make test-all (the default suite stays within CI's time; see README)
 def test_scale_2_3_2_keeps_the_dense_tokens(daemon, dense_reference):
     r = daemon.cli("scale", "to", "3", "--wait", timeout_s=300)
     assert r.returncode == 0, r.stdout + r.stderr
@@ -127,6 +128,7 @@ def test_scale_2_3_2_keeps_the_dense_tokens(daemon, dense_reference):
     assert _facts(daemon) == [dense_reference[p] for p, _ in FACTS]
 
 
+@pytest.mark.slow  # make test-all (the default suite stays within CI's time; see README)
 def test_rank_sigkilled_mid_stream_text_equals_fault_free_run(daemon, dense_reference):
     s = daemon.wait(lambda s: _group(s, 2), 300, "EP group of 2")
     victim = s["engines"][1]["pid"]

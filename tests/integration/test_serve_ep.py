@@ -93,7 +93,9 @@ def test_sigkilled_rank_is_reformed_around_and_rejoins(daemon, reference):
     s = daemon.wait(lambda s: (s.get("ep") or {}).get("epoch", 0) > epoch0
                     and s["ep"]["world_size"] == 1, 60, "a re-formed group of 1")
     s = daemon.wait(lambda s: _group(s, 2) and s["ep"]["epoch"] > epoch0 + 1, 180, "rejoined group of 2")
-    assert s["engines"][1]["restarts"] == 1, (s["engines"][1], daemon.logs())
+    if s["engines"][1]["restarts"] != 1:
+        print(daemon.logs())  # whole, in the report's captured stdout (an assert message is cut)
+    assert s["engines"][1]["restarts"] == 1, s["engines"][1]
     # The restarted rank took the group's KV figure instead of profiling again.
     assert s["engines"][1]["kv_source"] == "reused"
     assert s["ep"]["engines"][s["ep"]["ranks"][1]]["kv_source"] == "reused"
@@ -140,6 +142,7 @@ def test_hung_rank_under_load_is_killed_reformed_around_and_rejoins(daemon, tiny
     assert rec["failed_epoch"] >= epoch0 and rec["state"] == "serving"
 
 
+@pytest.mark.slow  # make test-all (the default suite stays within CI's time; see README)
 def test_serve_with_a_secured_etcd_cluster(tiny_moe, tmp_path, reference):
     """--etcd-endpoints of an etcd with TLS and auth: the supervisor and its EP engine process
     reach it with the given certificates, user and password file (the engines through their
