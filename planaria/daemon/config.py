@@ -61,6 +61,8 @@ class ServeConfig(msgspec.Struct, kw_only=True, frozen=True):
     flap_hold_s: float = 300.0
     retry_limit: int | None = None
     stable_s: float = 10.0
+    served_restart_delay_s: float = 0.1  # an engine that died after serving
+    served_restart_max: int = 30  # such restarts per flap window, per engine
     log_level: str = "INFO"
     # Expert parallelism (elastic/): "replica" = independent engines; "ep" = one EP group
     # whose membership lives in etcd (embedded under the state dir unless endpoints given).
@@ -102,6 +104,7 @@ class ServeConfig(msgspec.Struct, kw_only=True, frozen=True):
     max_connections: int = 1024
     max_inflight_requests: int = 0  # 0: 4 x max_num_seqs x engines
     request_timeout_s: float = 600.0
+    engine_wait_s: float = 30.0
     render_timeout_s: float = 20.0
     api_key: str = ""  # empty: no key; passed to the frontend as PLANARIA_API_KEY
     api_key_protects_metrics: bool = False
@@ -119,7 +122,8 @@ class ServeConfig(msgspec.Struct, kw_only=True, frozen=True):
             raise ConfigError(f"--http wants HOST:PORT, got {self.http!r}")
         for name in ("hang_timeout_s", "heartbeat_interval_s", "stop_timeout_s",
                      "handshake_timeout_s", "body_read_timeout_s", "keep_alive_timeout_s",
-                     "request_timeout_s", "render_timeout_s", "max_body_bytes", "max_connections"):
+                     "request_timeout_s", "render_timeout_s", "max_body_bytes", "max_connections",
+                     "engine_wait_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
         for address in self.extra_client_list():
@@ -218,7 +222,9 @@ class ServeConfig(msgspec.Struct, kw_only=True, frozen=True):
         try:
             return RestartPolicy(self.restart_backoff_s, self.restart_backoff_max_s, 2.0,
                                  self.flap_window_s, self.flap_max_exits, self.flap_hold_s,
-                                 self.retry_limit, stable_s=self.stable_s, fatal_exit_codes=fatal)
+                                 self.retry_limit, stable_s=self.stable_s, fatal_exit_codes=fatal,
+                                 served_delay_s=self.served_restart_delay_s,
+                                 served_max_restarts=self.served_restart_max)
         except ValueError as exc:
             raise ConfigError(str(exc)) from exc
 
@@ -235,7 +241,8 @@ def _ip(text: str, flag: str) -> str:
 #: fields a reload applies to the running daemon; the rest need a restart
 LIVE_FIELDS = frozenset({"log_level", "hang_timeout_s", "stop_timeout_s", "max_engines",
                          "restart_backoff_s", "restart_backoff_max_s", "flap_window_s",
-                         "flap_max_exits", "flap_hold_s", "retry_limit", "stable_s"})
+                         "flap_max_exits", "flap_hold_s", "retry_limit", "stable_s",
+                         "served_restart_delay_s", "served_restart_max"})
 
 # (flag, field, type, help); every flag's default is "not given" (argparse.SUPPRESS), so
 # that the sources can be layered; the defaults shown come from ServeConfig.
@@ -266,6 +273,10 @@ _FLAGS: list[tuple[str, str, Any, str]] = [
     ("--retry-limit", "retry_limit", int,
      "give up a child after this many failures in a row (default: never)"),
     ("--stable-s", "stable_s", float, "uptime after which a child's backoff resets (default 10)"),
+    ("--served-restart-delay-s", "served_restart_delay_s", float,
+     "restart delay of an engine that died after serving (no backoff, no flap hold; default 0.1)"),
+    ("--served-restart-max", "served_restart_max", int,
+     "at most this many such restarts per engine in the flap window (default 30)"),
     ("--log-level", "log_level", str, "DEBUG, INFO, WARNING or ERROR (default INFO)"),
     ("--parallel", "parallel", str,
      "replica (independent engines, default) or ep (experts sharded across the engines)"),
@@ -316,6 +327,9 @@ _FLAGS: list[tuple[str, str, Any, str]] = [
      "(default 0: 4 x max_num_seqs x engines)"),
     ("--request-timeout-s", "request_timeout_s", float,
      "a request running longer is aborted in its engine: 504, or an SSE error event (default 600)"),
+    ("--engine-wait-s", "engine_wait_s", float,
+     "a request that finds no engine serving, or whose engine died, waits this long for one "
+     "before a 503 (default 30)"),
     ("--render-timeout-s", "render_timeout_s", float,
      "time limit of chat-template rendering and tokenizing; past it a 503 (default 20)"),
     ("--api-key", "api_key", str,

@@ -21,10 +21,26 @@ Per child, in order of precedence, ``decide`` answers:
 The backoff after the n-th consecutive failure is
 ``min(backoff_max_s, backoff_initial_s * backoff_factor ** (n - 1))``. ``record_healthy``
 resets it (and the retry count) once the child has run for ``stable_s`` seconds.
+
+Start-up failures and deaths after serving are told apart. ``record_served`` says the
+current start did work (an engine completed a step). An exit after that is a death from
+outside or from the work (OOM killer, an operator, a hung device, a bad request), not a
+crash loop: it is restarted after ``served_delay_s``, counts toward neither the backoff
+nor the flap hold (and ends a streak of start-up failures), and only a rate cap bounds
+it: at most ``served_max_restarts`` such restarts inside ``flap_window_s``, the next one
+waiting until the oldest leaves the window. An exit before serving (died before READY,
+or failed its first step) is a start-up failure: backoff and flap hold as above.
+
+The availability floor: ``decide(..., last_one=True)`` says no other child of the group
+is starting or serving (nor due without a hold). Then a flap hold or a long backoff is cut
+to ``backoff_max_s`` after the exit, and the action says ``floor=True``: a node (or an EP
+group) always has an engine coming back, at the backoff cap at worst. ``GiveUp`` for a
+fatal exit code or the retry limit stays (restarting as it is cannot help).
 """
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Hashable, Union
@@ -39,9 +55,11 @@ class RestartNow:
 
 @dataclass(frozen=True, slots=True)
 class RestartAt:
-    """Start the child again at time ``t`` (same clock as ``now``)."""
+    """Start the child again at time ``t`` (same clock as ``now``). ``floor``: only the
+    availability floor brings it back this soon (a hold or a longer backoff was cut)."""
 
     t: float
+    floor: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,6 +91,9 @@ class _ChildState:
     last_exit_reason: str = ""
     hold_until: float | None = None
     hold_reason: str = ""
+    served: bool = False  # the current start did work (record_served)
+    last_exit_served: bool = False  # the last exit came after serving
+    served_exits: deque[float] = field(default_factory=deque)  # times, inside flap_window_s
     exit_history: list[tuple[float, int | None, str]] = field(default_factory=list)
 
 
@@ -86,7 +107,8 @@ class RestartPolicy:
                  backoff_factor: float = 2.0, flap_window_s: float = 60.0,
                  flap_max_exits: int = 5, flap_hold_s: float = 300.0,
                  retry_limit: int | None = None, *, stable_s: float = 0.0,
-                 fatal_exit_codes: Mapping[int, str] | None = None) -> None:
+                 fatal_exit_codes: Mapping[int, str] | None = None,
+                 served_delay_s: float = 0.0, served_max_restarts: int = 30) -> None:
         if backoff_initial_s < 0:
             raise ValueError(f"backoff_initial_s must be >= 0, got {backoff_initial_s}")
         if backoff_max_s < backoff_initial_s:
@@ -100,6 +122,10 @@ class RestartPolicy:
             raise ValueError(f"retry_limit must be >= 0 or None, got {retry_limit}")
         if stable_s < 0:
             raise ValueError(f"stable_s must be >= 0, got {stable_s}")
+        if served_delay_s < 0:
+            raise ValueError(f"served_delay_s must be >= 0, got {served_delay_s}")
+        if served_max_restarts < 1:
+            raise ValueError(f"served_max_restarts must be >= 1, got {served_max_restarts}")
         # Validates flap_window_s and flap_max_exits once, before any child exists.
         FlapDetector(flap_window_s, flap_max_exits)
         self.backoff_initial_s = float(backoff_initial_s)
@@ -110,6 +136,8 @@ class RestartPolicy:
         self.flap_hold_s = float(flap_hold_s)
         self.retry_limit = retry_limit
         self.stable_s = float(stable_s)
+        self.served_delay_s = float(served_delay_s)
+        self.served_max_restarts = int(served_max_restarts)
         #: exit code -> what it means; such an exit is not restarted (see ``decide``)
         self.fatal_exit_codes = dict(fatal_exit_codes or {})
         self._children: dict[Hashable, _ChildState] = {}
@@ -118,13 +146,13 @@ class RestartPolicy:
         """Change settings live (a reload), keeping every child's history and counts.
         Takes the constructor's keyword names; validates them all before changing any."""
         names = ("backoff_initial_s", "backoff_max_s", "backoff_factor", "flap_window_s",
-                 "flap_max_exits", "flap_hold_s", "retry_limit", "stable_s")
+                 "flap_max_exits", "flap_hold_s", "retry_limit", "stable_s", "served_delay_s",
+                 "served_max_restarts")
         unknown = set(params) - set(names)
         if unknown:
             raise ValueError(f"unknown restart policy settings: {sorted(unknown)}")
         merged = {name: params.get(name, getattr(self, name)) for name in names}
-        stable_s = merged.pop("stable_s")
-        fresh = RestartPolicy(**merged, stable_s=stable_s)  # validates
+        fresh = RestartPolicy(**merged)  # validates
         for name in names:
             setattr(self, name, getattr(fresh, name))
         for state in self._children.values():
@@ -138,18 +166,35 @@ class RestartPolicy:
         state = self._state(child_id)
         state.num_starts += 1
         state.started_at = now
+        state.served = False
+
+    def record_served(self, child_id: Hashable, now: float) -> None:
+        """The current start did work (an engine completed a step): an exit from now on is
+        a death after serving, not a start-up failure."""
+        state = self._children.get(child_id)
+        if state is not None and state.started_at is not None:
+            state.served = True
 
     def record_exit(self, child_id: Hashable, now: float, exit_code: int | None = None,
                     reason: str = "") -> None:
         """The child exited at ``now`` (``exit_code`` None when unknown, e.g. killed)."""
         state = self._state(child_id)
-        state.num_failures += 1
+        served, state.served = state.served, False
         state.started_at = None
         state.last_exit_at = now
         state.last_exit_code = exit_code
         state.last_exit_reason = reason
+        state.last_exit_served = served
         state.exit_history.append((now, exit_code, reason))
         del state.exit_history[:-self.HISTORY_LEN]
+        if served:  # killed from outside or by its work: not a crash loop
+            state.num_failures = 1  # this exit only: the start-up streak is over
+            state.hold_until, state.hold_reason = None, ""
+            state.served_exits.append(now)
+            while state.served_exits and state.served_exits[0] <= now - self.flap_window_s:
+                state.served_exits.popleft()
+            return
+        state.num_failures += 1
         if state.flap.record_exit(now):
             state.hold_until = now + self.flap_hold_s
             state.hold_reason = (f"flapping: {state.flap.max_exits} exits within "
@@ -175,8 +220,21 @@ class RestartPolicy:
 
     # -- the decision ---------------------------------------------------------------------
 
-    def decide(self, child_id: Hashable, now: float) -> Action:
-        """What to do about ``child_id`` at ``now``; has no side effects."""
+    def decide(self, child_id: Hashable, now: float, last_one: bool = False) -> Action:
+        """What to do about ``child_id`` at ``now``; has no side effects. ``last_one``: no
+        other child of its group is starting, serving or due without a hold (the
+        availability floor applies)."""
+        action = self._decide(child_id, now)
+        if not last_one or isinstance(action, (RestartNow, GiveUp)):
+            return action
+        state = self._children[child_id]
+        cap = state.last_exit_at + self.backoff_max_s
+        due = action.until if isinstance(action, HoldOff) else action.t
+        if due <= cap:
+            return action
+        return RestartNow() if now >= cap else RestartAt(cap, floor=True)
+
+    def _decide(self, child_id: Hashable, now: float) -> Action:
         state = self._children.get(child_id)
         if state is None or state.num_failures == 0 or state.last_exit_at is None:
             return RestartNow()
@@ -188,6 +246,12 @@ class RestartPolicy:
             return GiveUp(f"{child_id} failed {state.num_failures} times in a row without "
                           f"becoming healthy (retry limit {self.retry_limit}); "
                           f"last exit: {self._describe_exit(state)}")
+        if state.last_exit_served:
+            due = state.last_exit_at + self.served_delay_s
+            exits = state.served_exits
+            if len(exits) > self.served_max_restarts:  # the rate cap
+                due = max(due, exits[-self.served_max_restarts - 1] + self.flap_window_s)
+            return RestartNow() if now >= due else RestartAt(due)
         if state.hold_until is not None and now < state.hold_until:
             return HoldOff(state.hold_until, state.hold_reason)
         due = state.last_exit_at + self.backoff_s(state.num_failures)

@@ -68,6 +68,7 @@ class Slot:
     child: Child | None = None
     started_at: float | None = None
     due_at: float | None = None        # BACKOFF: when to start again
+    held: bool = False                 # BACKOFF under a flap hold (not coming back soon)
     kill_at: float | None = None       # STOPPING: when to SIGKILL
     after_exit: AfterExit = AfterExit.UNPLANNED  # what its next exit means
     kill_reason: str = ""              # why the supervisor killed it (hung, ...)

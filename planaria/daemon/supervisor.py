@@ -135,6 +135,7 @@ class Supervisor:
         warm = self.standby.take(spec, now) if self.standby is not None else None
         slot.child = warm or self.spawner.spawn(spec)
         slot.state, slot.started_at, slot.due_at, slot.kill_at = SlotState.STARTING, now, None, None
+        slot.held = False
         slot.heartbeat = None
         self.policy.record_start(slot.key, now)
         self._slot_log(slot).info("started", restarts=self.policy.restarts(slot.key),
@@ -219,8 +220,18 @@ class Supervisor:
             elif engine.state is SlotState.BACKOFF:
                 engine.state, engine.due_at = SlotState.WAITING, None
 
+    def _last_one(self, slot: Slot) -> bool:
+        """No other engine is starting, serving, or coming back without a hold (the
+        availability floor applies to ``slot``); always False for the frontend."""
+        if slot.key == FRONTEND_KEY:
+            return False
+        return not any(s is not slot and (s.state in (SlotState.STARTING, SlotState.RUNNING)
+                                          or (s.state is SlotState.BACKOFF and not s.held))
+                       for s in self.engines.values())
+
     def _decide(self, slot: Slot) -> None:
-        action = self.policy.decide(slot.key, self.clock())
+        action = self.policy.decide(slot.key, self.clock(), last_one=self._last_one(slot))
+        slot.held = isinstance(action, HoldOff)
         if isinstance(action, RestartNow):
             self._spawn(slot)
         elif isinstance(action, (RestartAt, HoldOff)):
@@ -228,7 +239,15 @@ class Supervisor:
             slot.due_at = action.t if isinstance(action, RestartAt) else action.until
             if isinstance(action, HoldOff):
                 slot.reason = action.reason
+            elif action.floor:
+                slot.reason = (f"{slot.reason}; availability floor: the node's last engine, "
+                               f"restarted at the backoff cap ({self.policy.backoff_max_s:g}s) "
+                               f"despite its flap hold")
+                self._slot_log(slot).warning("availability floor", restart_at_cap_s=self.policy.backoff_max_s)
             self._slot_log(slot).info("restart scheduled", in_s=round(slot.due_at - self.clock(), 3))
+            for other in self.engines.values():  # this one is not coming back soon: re-decide
+                if other is not slot and other.held and self._last_one(other):
+                    self._decide(other)
         elif isinstance(action, GiveUp):
             slot.state, slot.reason = SlotState.FAILED, action.reason
             self._slot_log(slot).error("giving up", reason=action.reason)
@@ -267,6 +286,8 @@ class Supervisor:
             self._notify_status()
         if slot.state is SlotState.RUNNING:
             self.policy.record_healthy(slot.key, now)
+            if beat.step_counter > 0:  # it did work: a death now is not a start-up failure
+                self.policy.record_served(slot.key, now)
 
     # -- timers -------------------------------------------------------------------------
     def tick(self) -> float | None:
@@ -369,7 +390,8 @@ class Supervisor:
             backoff_max_s=self.config.restart_backoff_max_s,
             flap_window_s=self.config.flap_window_s, flap_max_exits=self.config.flap_max_exits,
             flap_hold_s=self.config.flap_hold_s, retry_limit=self.config.retry_limit,
-            stable_s=self.config.stable_s)
+            stable_s=self.config.stable_s, served_delay_s=self.config.served_restart_delay_s,
+            served_max_restarts=self.config.served_restart_max)
         self.hang.hang_timeout_s = self.config.hang_timeout_s
         if self.ep is not None and "max_engines" in live:
             self.ep.reconfigure(self.config.max_engines)

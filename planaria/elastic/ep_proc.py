@@ -133,15 +133,11 @@ class EPEngineCoreProc(EngineCoreProc):
 
     def _epoch_refusal(self, epoch: Epoch) -> str | None:
         """Why this engine must not act on ``epoch`` (keys.epoch_problem with what this
-        engine knows: the model's expert count, the rendezvous addresses of the nodes in
-        etcd), or None."""
-        if self._num_experts is None:
-            try:
-                from planaria.engine.models.loader import load_hf_config, spec_from_config
-
-                self._num_experts = spec_from_config(load_hf_config(self.config.model)).num_experts
-            except Exception:  # noqa: BLE001 - the load reports a bad model itself
-                pass
+        engine knows: the model's expert count once its load read the config, the
+        rendezvous addresses of the nodes in etcd), or None. Runs on the watch thread: it
+        never imports transformers itself (its lazy imports are not thread-safe: importing
+        it here while the main thread loads the model failed the load with "cannot import
+        name 'AutoConfig'"); the epoch is checked again when the loop takes it."""
         known = None
         if epoch.ranks and self._membership is not None:
             try:
@@ -173,6 +169,11 @@ class EPEngineCoreProc(EngineCoreProc):
         preparing = self._preparing.epoch if self._preparing is not None else -1
         if epoch.number <= max(current, pending, preparing, self._seen_epoch):
             return None
+        problem = epoch_problem(epoch, num_experts=self._num_experts)  # the expert count, known now
+        if problem:
+            log.error("engine %s: epoch %d refused: %s", self.engine_id, epoch.number, problem)
+            self._seen_epoch = epoch.number
+            return None
         spec = self._spec_for(epoch)
         if spec.rank < 0 and not self._in_group():
             self._seen_epoch = epoch.number
@@ -195,6 +196,7 @@ class EPEngineCoreProc(EngineCoreProc):
         from planaria.engine.models.loader import load_hf_config, spec_from_config
 
         spec_m = spec_from_config(load_hf_config(self.config.model))
+        self._num_experts = spec_m.num_experts
         if epoch is not None and self.engine_id in epoch.ranks:
             spec = self._spec_for(epoch)
         else:

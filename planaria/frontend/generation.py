@@ -118,15 +118,17 @@ class Generator:
                             yield out
                     return
                 except NoEngineAvailableError as exc:
-                    if replay_deadline is None:  # a new request: say so at once
-                        self._error("no_engine")
-                        raise ServiceUnavailableError(f"no engine can take the request now: {exc}",
-                                                      code="no_engine_available") from exc
+                    # a new request waits for an engine (one is restarting) as a replay does
+                    new = replay_deadline is None
+                    if new:
+                        replay_deadline = asyncio.get_running_loop().time() + self.replay_wait_s
                     if not await self._wait_for_engine(replay_deadline):
                         self._error("no_engine")
+                        what = ("no engine could take the request" if new
+                                else "the request's engine failed and no engine came back")
                         raise ServiceUnavailableError(
-                            f"the request's engine failed and no engine came back within "
-                            f"{self.replay_wait_s} s: {exc}", code="no_engine_available") from exc
+                            f"{what} within {self.replay_wait_s} s: {exc}",
+                            code="no_engine_available") from exc
                 except EngineFaultError as exc:
                     action = journal.decide(rid)
                     if isinstance(action, FailRequest):

@@ -62,6 +62,9 @@ class ServerLimits:
     request_timeout_s: float = 600.0
     render_timeout_s: float = 20.0
     render_threads: int = 4
+    # a request that finds no engine serving (all restarting), or whose engine died, waits
+    # this long for one before its 503
+    engine_wait_s: float = 30.0
     api_key: str | None = None
     api_key_protects_metrics: bool = False
 

@@ -14,7 +14,7 @@ them in the engines) and the process exits 0.
 Limits and protection (defaults in brackets; docs/http_api.md has the whole list):
 ``--max-body-bytes`` [4 MiB], ``--body-read-timeout-s`` [30], ``--keep-alive-timeout-s``
 [75], ``--max-connections`` [1024], ``--max-inflight-requests`` [4 x max_num_seqs x
-engines], ``--request-timeout-s`` [600], ``--render-timeout-s`` [20] and
+engines], ``--request-timeout-s`` [600], ``--engine-wait-s`` [30], ``--render-timeout-s`` [20] and
 ``--render-threads`` [4]. ``--api-key`` (better: the environment variable
 ``PLANARIA_API_KEY``, which ``planaria serve`` uses, so the key is not in ``ps``) makes
 every /v1/* route need ``Authorization: Bearer <key>``; ``--api-key-protects-metrics``
@@ -87,6 +87,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--render-timeout-s", type=float, default=d.render_timeout_s,
                    help=f"time limit of chat-template rendering and tokenizing, queueing included; "
                         f"503 render_timeout past it (default {d.render_timeout_s:g})")
+    p.add_argument("--engine-wait-s", type=float, default=d.engine_wait_s,
+                   help=f"a request that finds no engine serving (restarting), or whose engine died, "
+                        f"waits this long for one before a 503 (default {d.engine_wait_s:g})")
     p.add_argument("--render-threads", type=int, default=d.render_threads,
                    help=f"threads rendering and tokenizing prompts (default {d.render_threads})")
     p.add_argument("--api-key", default=None,
@@ -108,6 +111,7 @@ def server_limits(args: argparse.Namespace, environ=os.environ) -> ServerLimits:
         keep_alive_timeout_s=args.keep_alive_timeout_s, max_connections=args.max_connections,
         max_inflight_requests=inflight, request_timeout_s=args.request_timeout_s,
         render_timeout_s=args.render_timeout_s, render_threads=args.render_threads,
+        engine_wait_s=args.engine_wait_s,
         api_key=args.api_key or environ.get(API_KEY_ENV) or None,
         api_key_protects_metrics=args.api_key_protects_metrics)
 

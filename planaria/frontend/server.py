@@ -215,7 +215,8 @@ def create_server(client, model_dir: str | Path, served_model_name: str | None =
     model = load_model_info(model_dir, tokenizer, served_model_name, max_model_len, max_logprobs)
     metrics = FrontendMetrics(model.name)
     client.on_iteration_details = metrics.iterations.observe
-    generator = Generator(client, lambda ids, params: IncrementalDetokenizer(tokenizer, ids, params), metrics)
+    generator = Generator(client, lambda ids, params: IncrementalDetokenizer(tokenizer, ids, params), metrics,
+                          replay_wait_s=limits.engine_wait_s)
 
     def engine_max_model_len() -> int | None:
         lens = [e.max_model_len for e in client.engines if e.healthy and e.max_model_len]

@@ -21,7 +21,7 @@ def test_flags_pass_to_the_frontend_and_the_key_only_through_its_environment(tmp
     cfg = _config(tmp_path, ["--max-inflight-requests", "7", "--request-timeout-s", "9",
                              "--max-body-bytes", "1000", "--max-connections", "11", "--body-read-timeout-s", "3",
                              "--keep-alive-timeout-s", "2", "--render-timeout-s", "4",
-                             "--api-key-protects-metrics"],
+                             "--engine-wait-s", "12", "--api-key-protects-metrics"],
                   {"PLANARIA_API_KEY": "k-123", "STATE_DIRECTORY": str(tmp_path)})
     assert cfg.api_key == "k-123" and cfg.api_key_protects_metrics
     launcher = Launcher(cfg, environ={"PATH": "/bin", "PLANARIA_API_KEY": "k-123"})
@@ -31,8 +31,8 @@ def test_flags_pass_to_the_frontend_and_the_key_only_through_its_environment(tmp
     args = build_parser().parse_args(spec.argv[3:])
     limits = server_limits(args, environ=spec.env)
     assert (limits.max_inflight_requests, limits.request_timeout_s, limits.max_body_bytes, limits.max_connections,
-            limits.body_read_timeout_s, limits.keep_alive_timeout_s, limits.render_timeout_s) == \
-        (7, 9.0, 1000, 11, 3.0, 2.0, 4.0)
+            limits.body_read_timeout_s, limits.keep_alive_timeout_s, limits.render_timeout_s,
+            limits.engine_wait_s) == (7, 9.0, 1000, 11, 3.0, 2.0, 4.0, 12.0)
     assert limits.api_key == "k-123" and limits.api_key_protects_metrics
 
 

@@ -19,8 +19,18 @@ def replay(policy: RestartPolicy, events: list[tuple], child_id="engine-0") -> N
             policy.record_exit(child_id, now, exit_code=1, reason="crashed")
         elif kind == "healthy":
             policy.record_healthy(child_id, now)
+        elif kind == "served":
+            policy.record_served(child_id, now)
         else:
             raise ValueError(kind)
+
+
+def served_deaths(times: list[float], run_s: float = 0.5) -> list[tuple]:
+    """Start at each t, do work, be killed run_s later (from outside: OOM killer, an operator)."""
+    events = []
+    for t in times:
+        events += [("start", t), ("served", t + run_s / 2), ("exit", t + run_s)]
+    return events
 
 
 def crash_loop(times: list[float], run_s: float = 0.0) -> list[tuple]:
@@ -80,7 +90,47 @@ CASES = [
     ("healthy resets the retry count", dict(retry_limit=1),
      crash_loop([0.0], 1.0) + [("start", 3.0), ("healthy", 50.0), ("exit", 60.0)],
      61.0, RestartNow()),
+    # -- deaths after serving: a small fixed delay, no backoff, no flap hold, a rate cap --
+    ("a death after serving waits only the served delay", dict(served_delay_s=0.25),
+     served_deaths([0.0]), 0.6, RestartAt(0.75)),
+    ("deaths after serving never back off or flap", dict(served_delay_s=0.25),
+     served_deaths([0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0]), 6.5, RestartAt(6.75)),
+    ("a served death ends a start-up streak", {},
+     crash_loop([0.0, 2.0, 5.0], 1.0) + served_deaths([10.0]), 10.5, RestartNow()),
+    ("start-up failures after a served death back off from the start", {},
+     served_deaths([0.0]) + crash_loop([1.0], 0.5), 1.6, RestartAt(3.5)),
+    ("the served rate cap: the next restart waits for the oldest to leave the window",
+     dict(served_max_restarts=3), served_deaths([0.0, 1.0, 2.0, 3.0]), 3.5, RestartAt(10.5)),
+    ("under the served rate cap no wait", dict(served_max_restarts=4),
+     served_deaths([0.0, 1.0, 2.0, 3.0]), 3.5, RestartNow()),
+    ("started but no work done is a start-up failure", {},
+     [("start", 0.0), ("exit", 0.5)], 0.6, RestartAt(1.5)),
+    ("a fatal exit code after serving still gives up", dict(fatal_exit_codes={1: "refused"}),
+     served_deaths([0.0]), 1.0, GiveUp("refused (exit code 1); not restarted: fix the "
+                                       "configuration, then `planaria restart`")),
 ]
+
+# the availability floor: the child is its group's last one (decide(..., last_one=True))
+FLOOR_CASES = [
+    ("a flap hold is cut to the backoff cap", dict(backoff_initial_s=0.0),
+     crash_loop([0.0, 1.0, 2.0, 3.0], 0.5), 4.0, RestartAt(11.5, floor=True)),
+    ("past the cap at once", dict(backoff_initial_s=0.0),
+     crash_loop([0.0, 1.0, 2.0, 3.0], 0.5), 12.0, RestartNow()),
+    ("a backoff under the cap is kept", {}, crash_loop([0.0, 2.0], 1.0), 3.0, RestartAt(5.0)),
+    ("the served rate cap is cut too", dict(served_max_restarts=3, flap_window_s=100.0),
+     served_deaths([0.0, 1.0, 2.0, 3.0]), 3.5, RestartAt(11.5, floor=True)),
+    ("give up stays give up", dict(retry_limit=0), crash_loop([0.0], 1.0), 2.0,
+     GiveUp("engine-0 failed 1 times in a row without becoming healthy (retry limit 0); "
+            "last exit: code 1, crashed")),
+]
+
+
+@pytest.mark.parametrize("overrides,events,now,expected",
+                         [c[1:] for c in FLOOR_CASES], ids=[c[0] for c in FLOOR_CASES])
+def test_decide_as_the_last_one(overrides, events, now, expected):
+    policy = RestartPolicy(**{**BASE, **overrides})
+    replay(policy, events)
+    assert policy.decide("engine-0", now, last_one=True) == expected
 
 
 @pytest.mark.parametrize("overrides,events,now,expected",
@@ -133,7 +183,8 @@ def test_unknown_exit_code_in_give_up_reason():
 @pytest.mark.parametrize("overrides", [
     dict(backoff_initial_s=-1.0), dict(backoff_max_s=0.5), dict(backoff_factor=0.5),
     dict(flap_window_s=0.0), dict(flap_max_exits=0), dict(flap_hold_s=-1.0),
-    dict(retry_limit=-1), dict(stable_s=-1.0),
+    dict(retry_limit=-1), dict(stable_s=-1.0), dict(served_delay_s=-1.0),
+    dict(served_max_restarts=0),
 ])
 def test_invalid_settings_raise(overrides):
     with pytest.raises(ValueError):

@@ -125,6 +125,58 @@ def test_engine_death_is_reported_first_then_restarted_with_backoff():
     assert sup.status()["engines"][0]["reason"] == "exit code 1"
 
 
+def test_an_engine_killed_after_serving_restarts_promptly_every_time():
+    """Killed from outside after doing work (step counter > 0): the served delay each time,
+    no doubling and no flap hold, however many times in the flap window (under the cap)."""
+    sup, spawner, clock, _, _ = make(served_restart_delay_s=0.1)
+    for _ in range(8):  # more than flap_max_exits (5) inside the 60 s window
+        beat(sup, 0, step=3, has_work=True)
+        die(sup, engine_child(spawner, 0))
+        assert sup.engines[0].state is SlotState.BACKOFF and not sup.engines[0].held
+        assert sup.engines[0].due_at == pytest.approx(clock.t + 0.1)
+        clock.t += 0.1
+        sup.tick()
+        assert sup.engines[0].state is SlotState.STARTING
+        clock.t += 2.0
+    assert sup.policy.restarts(("engine", 0)) == 8
+
+
+def test_the_last_engine_is_never_held_the_availability_floor():
+    """A start-up crash loop on both engines: the first to flap is held (the other one is
+    still coming back), the second is the node's last and comes back at the backoff cap
+    (60 s) instead of the 300 s hold; status says why."""
+    sup, spawner, clock, _, _ = make(restart_backoff_s=0.0, flap_max_exits=3)
+    def crash(engine_id):
+        die(sup, engine_child(spawner, engine_id), 1)
+        sup.tick()
+    for _ in range(3):
+        crash(0)
+    assert sup.engines[0].held and sup.engines[0].due_at == pytest.approx(clock.t + 300.0)
+    for _ in range(3):
+        crash(1)
+    e1 = sup.engines[1]
+    assert not e1.held and e1.state is SlotState.BACKOFF and e1.due_at == pytest.approx(clock.t + 60.0)
+    assert "availability floor" in sup.status()["engines"][1]["reason"]
+    clock.t += 60.0
+    sup.tick()
+    assert e1.state is SlotState.STARTING and sup.engines[0].held
+
+
+def test_a_held_engine_is_brought_back_when_the_other_one_is_held_too():
+    """Engine 0 held while engine 1 served; engine 1 then flaps too, at the backoff cap:
+    one of them always has a restart due within the cap."""
+    sup, spawner, clock, _, _ = make(restart_backoff_s=0.0, flap_max_exits=2, restart_backoff_max_s=30.0)
+    for _ in range(2):
+        die(sup, engine_child(spawner, 0), 1)
+        sup.tick()
+    assert sup.engines[0].held
+    die(sup, engine_child(spawner, 1), 1)
+    sup.tick()
+    die(sup, engine_child(spawner, 1), 1)  # flaps: would be held 300 s
+    due = [s.due_at - clock.t for s in sup.engines.values() if s.state is SlotState.BACKOFF]
+    assert min(due) <= 30.0
+
+
 def test_exit_sentinel_reports_the_death_once_before_the_reap():
     sup, spawner, _, _, deaths = make()
     child = engine_child(spawner, 0)

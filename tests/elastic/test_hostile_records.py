@@ -162,7 +162,11 @@ def test_an_ep_engine_refuses_an_epoch_at_an_unknown_rendezvous(make_membership,
     good = Epoch(number=3, world_size=2, ranks=["n-e0", "n-e1"], expert_map=[0] * half + [1] * half,
                  rendezvous="127.0.0.1:29500")
     assert proc._epoch_refusal(good) is None
+    short = Epoch(**{**{f: getattr(good, f) for f in good.__struct_fields__}, "expert_map": [0, 1]})
+    # before the model's load (on the main thread) read the config, the watch thread does
+    # not read it itself (transformers' lazy imports race): the expert count waits
+    assert proc._epoch_refusal(short) is None and proc._num_experts is None
+    proc._num_experts = num_experts  # what the load sets
     forged = Epoch(**{**{f: getattr(good, f) for f in good.__struct_fields__}, "rendezvous": "10.6.6.6:1234"})
     assert "no known node" in proc._epoch_refusal(forged)
-    short = Epoch(**{**{f: getattr(good, f) for f in good.__struct_fields__}, "expert_map": [0, 1]})
     assert f"model has {num_experts}" in proc._epoch_refusal(short)

@@ -333,6 +333,24 @@ def test_generator_waits_for_an_engine_to_come_back():
     assert asyncio.run(main()) == [100, 101, 102, 103, 104]
 
 
+def test_a_new_request_waits_for_an_engine_that_is_restarting():
+    """No engine serving when it arrives (both restarting): it waits, then runs; with none
+    back within the wait it gets a 503 saying so."""
+    async def main():
+        client = ScriptedClient(num_engines=1)
+        client.engines[0].state = "dead"
+        asyncio.get_running_loop().call_later(0.2, setattr, client.engines[0], "state", "running")
+        gen = Generator(client, ListDetok, replay_wait_s=5.0)
+        return [t for d in [d async for d in gen.generate(ecr(max_tokens=3))] for t in d.token_ids]
+    assert asyncio.run(main()) == [100, 101, 102]
+    client = ScriptedClient(num_engines=1)
+    client.engines[0].state = "dead"
+    gen = Generator(client, ListDetok, FrontendMetrics(), replay_wait_s=0.1)
+    with pytest.raises(ServiceUnavailableError) as ei:
+        collect(gen, ecr(max_tokens=3))
+    assert ei.value.code == "no_engine_available" and "no engine could take the request within 0.1 s" in str(ei.value)
+
+
 def test_generator_gives_up_with_503_past_the_limit_or_when_no_engine_returns():
     def kill(c, engine):
         c.lose(engine)

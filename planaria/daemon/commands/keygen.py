@@ -1,11 +1,14 @@
-"""Make a CurveZMQ key pair for the remote admin socket (`planaria serve --admin-tcp`).
+"""Make a CurveZMQ key pair: for the remote admin socket (`planaria serve --admin-tcp`)
+or for a frontend client on a tcp:// `--extra-client-addresses` (docs/operations.md).
 
     planaria keygen NAME [--dir DIR]
 
 Writes DIR/NAME.key (the public key) and DIR/NAME.key_secret (mode 0600). A client
 keeps NAME.key_secret and passes it as --client-key; NAME.key goes into the daemon's
 admin-keys/authorized/ directory (STATE_DIR/admin-keys/authorized/ by default), which
-the daemon reads at every new connection. Nothing is overwritten. No daemon involved.
+the daemon reads at every new connection. For an extra client, the client keeps
+NAME.key_secret and the daemon gets NAME.key as --extra-client-server-key. Nothing is
+overwritten. No daemon involved.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ import sys
 from planaria.daemon.commands._common import EXIT_BAD_ARGUMENT
 
 NAME = "keygen"
-HELP = "make a CurveZMQ key pair for the remote admin socket"
+HELP = "make a CurveZMQ key pair (remote admin socket, tcp:// extra clients)"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
