@@ -48,14 +48,14 @@ class DeathReporter:
         self._sock.setsockopt(zmq.SNDHWM, 64)
         self._sock.connect(address)
 
-    def __call__(self, engine_id: int, pid: int | None, reason: str) -> bool:
+    def __call__(self, engine_id: int, pid: int | None, reason: str, cause: str = "") -> bool:
         from planaria.engine.wire import EngineDead, MsgType
 
         frames = self._enc.encode(MsgType.ENGINE_CORE_DEAD,
                                   EngineDead(engine_index=engine_id, reason=reason, pid=pid,
                                              # when we saw it die: a frontend does not count
                                              # the death against requests sent after it
-                                             fault_monotonic_s=time.monotonic()))
+                                             fault_monotonic_s=time.monotonic(), cause=cause))
         try:
             self._sock.send_multipart(frames, zmq.NOBLOCK)
         except zmq.Again:
@@ -63,8 +63,12 @@ class DeathReporter:
                         engine_id=engine_id, pid=pid)
             return False
         log.info("reported engine death to the frontend", engine_id=engine_id, pid=pid,
-                 reason=reason, sent_at=time.time())
+                 reason=reason, sent_at=time.time(), **({"cause": cause} if cause else {}))
         return True
+
+    def cause(self, engine_id: int, pid: int | None, reason: str, cause: str) -> bool:
+        """The reaped engine's cause of death (a second notice for the same pid)."""
+        return self(engine_id, pid, reason, cause)
 
     def close(self) -> None:
         self._sock.close(linger=0)

@@ -69,6 +69,7 @@ class Slot:
     started_at: float | None = None
     due_at: float | None = None        # BACKOFF: when to start again
     held: bool = False                 # BACKOFF under a flap hold (not coming back soon)
+    killed_stopped: bool = False       # the watchdog killed it while it was stopped (SIGSTOP)
     kill_at: float | None = None       # STOPPING: when to SIGKILL
     after_exit: AfterExit = AfterExit.UNPLANNED  # what its next exit means
     kill_reason: str = ""              # why the supervisor killed it (hung, ...)

@@ -62,16 +62,29 @@ class _NullNotifier:
     def reloading(self, status=None): return False
 
 
+def _is_stopped(pid: int | None) -> bool:
+    """Whether the process is stopped (SIGSTOP/SIGTSTP: state T in /proc/PID/stat)."""
+    if pid is None:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rpartition(b")")[2].split()[0] in (b"T", b"t")
+    except (OSError, IndexError):
+        return False
+
+
 class Supervisor:
     def __init__(self, config: ServeConfig, spawner: Spawner, clock: Callable[[], float], *,
                  launcher: Launcher | None = None, notifier: Notifier | None = None,
-                 report_dead: Callable[[int, int | None, str], None] | None = None) -> None:
+                 report_dead: Callable[[int, int | None, str], None] | None = None,
+                 report_cause: Callable[[int, int | None, str, str], None] | None = None) -> None:
         self.config = config
         self.spawner = spawner
         self.clock = clock
         self.launcher = launcher or Launcher(config)
         self.notifier = notifier or _NullNotifier()
         self.report_dead = report_dead or (lambda engine_id, pid, reason: None)
+        self.report_cause = report_cause or (lambda engine_id, pid, reason, cause: None)
         self.policy = config.restart_policy()
         self.hang = HangDetector(config.hang_timeout_s)
         self.frontend = Slot(FRONTEND_KEY)
@@ -163,11 +176,13 @@ class Supervisor:
             # First, before anything else: the frontend must stop waiting on this engine.
             if not slot.death_reported:
                 self._report_dead(slot, reason)
+            if self._frontend_up():  # what ended it, for the frontend's poison quarantine
+                self.report_cause(slot.engine_id, child.pid, reason, self._cause(slot, code))
             self.hang.forget(slot.engine_id)
             if self.ep is not None:
                 self.ep.forget_engine(slot.engine_id, child.pid)
         after, slot.after_exit = slot.after_exit, AfterExit.UNPLANNED
-        slot.kill_reason, slot.death_reported = "", False
+        slot.kill_reason, slot.death_reported, slot.killed_stopped = "", False, False
         slot.child, slot.heartbeat, slot.kill_at, slot.started_at = None, None, None, None
         slot.reason = reason
         planned = after is not AfterExit.UNPLANNED
@@ -193,6 +208,15 @@ class Supervisor:
             self._decide(slot)
         self._update_scale_op()
         self._notify_status()
+
+    @staticmethod
+    def _cause(slot: Slot, code: int) -> str:
+        """"external" when the engine did not end itself: a SIGKILL that was not the
+        supervisor's, or the watchdog's kill of a process found stopped (SIGSTOP); else
+        "fault" (an exit code, a crash signal, a hang while running)."""
+        if slot.kill_reason:
+            return "external" if slot.killed_stopped else "fault"
+        return "external" if code == -signal.SIGKILL else "fault"
 
     def on_exiting(self, child: Child) -> None:
         """An exit sentinel of ``child`` fired: its threads are gone, the kernel is still
@@ -310,7 +334,9 @@ class Supervisor:
                 if slot is None or slot.state not in (SlotState.STARTING, SlotState.RUNNING):
                     continue
                 slot.kill_reason = why
-                self._slot_log(slot).error("hung; SIGKILL", reason=slot.kill_reason)
+                slot.killed_stopped = _is_stopped(slot.child.pid)
+                self._slot_log(slot).error("hung; SIGKILL", reason=slot.kill_reason,
+                                           **({"stopped": True} if slot.killed_stopped else {}))
                 slot.child.send_signal(signal.SIGKILL)
         if self.frontend.state is SlotState.RUNNING:
             self.policy.record_healthy(FRONTEND_KEY, now)

@@ -139,6 +139,9 @@ class EngineClient:
         # on_iteration_details(engine_index, [IterationDetails]): the engines' step records
         self.on_iteration_details: Callable[[int, list], None] | None = None
         self._engines: dict[int, EngineInfo] = {}
+        # pid -> what ended that engine process ("external" | "fault"), from the
+        # supervisor's notice after it reaped it (bounded: the newest 4096 pids)
+        self.death_causes: dict[int, str] = {}
         self._streams: dict[str, _Stream] = {}
         self._calls: dict[int, tuple[int, asyncio.Future]] = {}
         self._call_ids = itertools.count(1)
@@ -358,13 +361,19 @@ class EngineClient:
         return self._send(engine_index, MsgType.SHUTDOWN, Shutdown(drain_timeout_s=drain_timeout_s))
 
     def mark_engine_dead(self, engine_index: int, reason: str, pid: int | None = None,
-                         fault_monotonic_s: float | None = None) -> None:
+                         fault_monotonic_s: float | None = None, cause: str = "") -> None:
         """The supervisor's report (call on the client's event loop): fail the engine's work.
 
         With ``pid``, a report about an older incarnation than the one connected is ignored.
         ``fault_monotonic_s``: when the engine hit the fault (its own ENGINE_CORE_DEAD).
         """
         info = self._engines.get(engine_index)
+        if cause and pid is not None:
+            self.death_causes[pid] = cause
+            while len(self.death_causes) > 4096:
+                self.death_causes.pop(next(iter(self.death_causes)))
+            if info is not None and (info.pid != pid or info.state == EngineInfoState.DEAD):
+                return  # the cause of a death already handled (or of an older incarnation)
         if info is None:
             info = self._engines[engine_index] = EngineInfo(index=engine_index, state=EngineInfoState.DEAD)
         if pid is not None and info.pid is not None and pid != info.pid:
@@ -507,7 +516,7 @@ class EngineClient:
                     entry[1].set_exception(UtilityCallError(msg.error or "utility call failed",
                                                             UtilityErrorCode.of(msg.code)))
         elif msg_type == MsgType.ENGINE_CORE_DEAD:
-            self.mark_engine_dead(msg.engine_index, msg.reason, msg.pid, msg.fault_monotonic_s)
+            self.mark_engine_dead(msg.engine_index, msg.reason, msg.pid, msg.fault_monotonic_s, msg.cause)
         elif msg_type == MsgType.STATUS:
             self._on_status(msg)
         elif msg_type == MsgType.ERROR:

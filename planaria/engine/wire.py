@@ -158,6 +158,11 @@ class EngineDead(msgspec.Struct, kw_only=True, omit_defaults=True):
     # time.monotonic() (CLOCK_MONOTONIC: one clock for every process of a machine) when the
     # engine's loop caught the fatal fault; None when not known (a supervisor's report)
     fault_monotonic_s: float | None = None
+    # what ended it, once the supervisor reaped it (a second notice for the same pid):
+    # "external" (SIGKILL from outside: an operator, the OOM killer; a SIGSTOPped process
+    # the watchdog killed), "fault" (an exit code, a crash signal, a step that hung while
+    # running), "" not known yet. The poison quarantine counts only faults.
+    cause: str = ""
 
 
 class EngineStatus(msgspec.Struct, kw_only=True, omit_defaults=True):

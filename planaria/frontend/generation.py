@@ -78,7 +78,9 @@ class Generator:
         self._make_detokenizer = make_detokenizer
         self._metrics = metrics
         self._clock = clock
-        self.journal = journal if journal is not None else RequestJournal(clock=clock)
+        causes = getattr(client, "death_causes", None)
+        self.journal = journal if journal is not None else RequestJournal(
+            clock=clock, cause_of=(lambda pid: causes.get(pid)) if causes is not None else (lambda pid: None))
         self.replay_wait_s = replay_wait_s
         listeners = getattr(client, "loss_listeners", None)
         if listeners is not None:  # the death notice's own time starts the replay clock
@@ -91,11 +93,12 @@ class Generator:
             # death seen after engine 0's requests were replayed onto it
             for entry in self.journal.unplaced():
                 self.journal.on_submitted(entry.request_id, engine_of(entry.engine_request_id))
-        died_s = None  # when it died: the engine's own report, else the supervisor's
+        died_s = pid = None  # when it died: the engine's own report, else the supervisor's
         for info in getattr(self._client, "engines", None) or ():
             if getattr(info, "index", None) == engine_index:
                 died_s = getattr(info, "fault_monotonic_s", None) or None
-        self.journal.on_engine_dead(engine_index, died_s)
+                pid = getattr(info, "pid", None)
+        self.journal.on_engine_dead(engine_index, died_s, pid)
 
     async def _engine_outputs(self, request: EngineCoreRequest) -> AsyncIterator[EngineCoreOutput]:
         """The engine's outputs for ``request``, across engine faults (replayed elsewhere);

@@ -55,7 +55,7 @@ import msgspec
 
 from planaria.engine.messages import EngineCoreRequest
 
-DEFAULT_MAX_REPLAYS = 3
+DEFAULT_MAX_REPLAYS = 20  # a safety net: the quarantine stops a request that kills engines
 DEFAULT_QUARANTINE_AFTER = 2  # engines that died with the request in flight
 # A death time is when a supervisor or the engine saw the death, which can be a few ms (more
 # on a loaded host) after the death itself: a death seen less than this after the send,
@@ -77,6 +77,8 @@ class JournalEntry:
     died_monotonic_s: float | None = None  # when the engine it was lost with died, if known
     tokens_since_sent: int = 0  # tokens from the current incarnation (it ran there)
     lost_incarnation: str | None = None  # the engine request id whose loss was last marked
+    lost_pid: int | None = None  # the pid of the engine its current incarnation was lost with
+    death_pids: list[int | None] = field(default_factory=list)  # engines counted so far
     awaiting_first_token: bool = False  # replayed, no token from the replay yet
 
     @property
@@ -105,13 +107,15 @@ class FailRequest:
 class RequestJournal:
     def __init__(self, max_replays: int = DEFAULT_MAX_REPLAYS,
                  clock: Callable[[], float] = time.monotonic,
-                 quarantine_after: int = DEFAULT_QUARANTINE_AFTER) -> None:
+                 quarantine_after: int = DEFAULT_QUARANTINE_AFTER,
+                 cause_of: Callable[[int], str | None] = lambda pid: None) -> None:
         if max_replays < 0:
             raise ValueError(f"max_replays must be >= 0, got {max_replays}")
         if quarantine_after < 0:
             raise ValueError(f"quarantine_after must be >= 0, got {quarantine_after}")
         self.max_replays = max_replays
         self.quarantine_after = quarantine_after
+        self._cause_of = cause_of  # engine pid -> "external" | "fault" | None (not known)
         self._clock = clock
         self._entries: dict[str, JournalEntry] = {}
         self.num_replays_total = 0
@@ -172,15 +176,19 @@ class RequestJournal:
         return None if lost_at is None else self._clock() - lost_at
 
     # -- faults -------------------------------------------------------------------------
-    def on_engine_dead(self, engine_index: int, died_monotonic_s: float | None = None) -> list[str]:
+    def on_engine_dead(self, engine_index: int, died_monotonic_s: float | None = None,
+                       pid: int | None = None) -> list[str]:
         """Mark every request on that engine lost; returns their ids (to replay).
-        ``died_monotonic_s``: when the engine died (time.monotonic()), if known."""
+        ``died_monotonic_s``: when the engine died (time.monotonic()), if known; ``pid``:
+        the dead engine process (its cause of death, once known, decides whether the
+        death counts toward the quarantine)."""
         now = self._clock()
         lost = []
         for entry in self._entries.values():
             if entry.engine_index == engine_index:
                 self._mark_lost(entry, now)
                 entry.died_monotonic_s = died_monotonic_s
+                entry.lost_pid = pid
                 lost.append(entry.request_id)
         return lost
 
@@ -212,8 +220,15 @@ class RequestJournal:
         entry = self._entries[request_id]
         if entry.lost_at_s is None:
             self.on_lost(request_id)
+        # Deaths from outside (a SIGKILL that was not the engine's crash, a stopped process
+        # the watchdog killed) are not the request's doing and do not count. A death's
+        # cause comes with the supervisor's notice after it reaped the engine, just after
+        # its first notice: not known yet (this death, usually), it counts.
         if not self._died_before_sent(entry):
-            entry.num_engine_deaths += 1
+            entry.death_pids.append(entry.lost_pid)
+        entry.num_engine_deaths = sum(1 for pid in entry.death_pids
+                                      if pid is None or self._cause_of(pid) != "external")
+        entry.lost_pid = None
         entry.sent_monotonic_s = entry.died_monotonic_s = None
         entry.tokens_since_sent = 0
         p = entry.request.sampling_params

@@ -177,6 +177,36 @@ def test_a_held_engine_is_brought_back_when_the_other_one_is_held_too():
     assert min(due) <= 30.0
 
 
+@pytest.mark.parametrize("how,stopped,expected", [
+    ("sigkill from outside", False, "external"),
+    ("crash: exit code 1", False, "fault"),
+    ("crash: SIGSEGV", False, "fault"),
+    ("watchdog kill of a running hung engine", False, "fault"),
+    ("watchdog kill of a stopped engine", True, "external"),
+])
+def test_the_cause_of_death_follows_the_reap(monkeypatch, how, stopped, expected):
+    """After the reap the supervisor tells the frontend what ended the engine, for the
+    poison quarantine: only faults count there."""
+    import planaria.daemon.supervisor as sup_mod
+
+    monkeypatch.setattr(sup_mod, "_is_stopped", lambda pid: stopped)
+    cfg = config_mod.build({"model": "/m", "num_engines": 2, "state_dir": "/s", "hang_timeout_s": 5.0},
+                           environ={})
+    spawner, clock, causes = FakeSpawner(), Clock(), []
+    sup = Supervisor(cfg, spawner, clock, report_dead=lambda *a: None,
+                     report_cause=lambda e, pid, reason, cause: causes.append((e, pid, cause)))
+    sup.start()
+    child = engine_child(spawner, 0)
+    code = {"sigkill from outside": -9, "crash: exit code 1": 1, "crash: SIGSEGV": -11}.get(how, -9)
+    if how.startswith("watchdog"):
+        beat(sup, 0, step=1, has_work=True)
+        clock.t += 5.1
+        sup.tick()
+        assert child.signals == [signal.SIGKILL]
+    die(sup, child, code)
+    assert causes == [(0, child.pid, expected)]
+
+
 def test_exit_sentinel_reports_the_death_once_before_the_reap():
     sup, spawner, _, _, deaths = make()
     child = engine_child(spawner, 0)

@@ -101,8 +101,8 @@ def test_replay_limit_and_nothing_left_to_do():
 
 
 def test_a_request_in_flight_on_two_dead_engines_is_quarantined():
-    j = RequestJournal()  # the defaults: max_replays 3, quarantine after 2 deaths
-    assert (j.max_replays, j.quarantine_after) == (3, 2)
+    j = RequestJournal()  # the defaults: max_replays 20, quarantine after 2 deaths
+    assert (j.max_replays, j.quarantine_after) == (20, 2)
     for rid in ("poison", "bystander"):
         j.open(ecr(rid))
         j.on_submitted(rid, 0)
@@ -165,6 +165,30 @@ def test_a_death_from_before_the_send_is_not_counted_against_the_request():
     j.on_engine_dead(4)
     assert j.decide("u").code == "quarantined"
 
+
+
+def test_deaths_from_outside_do_not_count_toward_the_quarantine():
+    """A fault storm: engines SIGKILLed from outside (or stopped and then killed by the
+    watchdog) while the request runs on them. Their causes come with the supervisor's
+    notice after the reap ("external"): those deaths do not count, and the request is
+    replayed as often as it takes; a crash ("fault") counts as before. A death whose cause
+    is not known yet counts."""
+    causes: dict[int, str] = {}
+    j = RequestJournal(cause_of=causes.get)
+    j.open(ecr("storm"))
+    for k in range(6):  # six external kills in a row: replayed each time
+        j.on_submitted("storm", k % 2)
+        j.on_engine_dead(k % 2, pid=100 + k)
+        assert isinstance(j.decide("storm"), Replay), k
+        causes[100 + k] = "external"  # the reap notice arrives just after
+    assert j.get("storm").num_engine_deaths == 1  # the last one: its cause came after its decision
+    j.on_submitted("storm", 0)
+    j.on_engine_dead(0, pid=200)  # a crash: its cause is not known yet at the decision
+    assert isinstance(j.decide("storm"), Replay)
+    causes[200] = "fault"
+    j.on_submitted("storm", 1)
+    j.on_engine_dead(1, pid=201)  # a second crash: quarantined
+    assert j.decide("storm").code == "quarantined"
 
 
 def test_a_death_seen_just_after_the_send_counts_only_when_the_engine_ran_the_request():
