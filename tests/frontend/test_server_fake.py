@@ -27,7 +27,9 @@ async def serve(client: FakeEngineClient, max_model_len: int = 64, max_replays: 
     tok = FakeTokenizer()
     metrics = FrontendMetrics("fake")
     journal = RequestJournal(max_replays=max_replays) if max_replays is not None else None
-    gen = Generator(client, lambda ids, params: FakeDetokenizer(tok, ids, params), metrics, journal=journal)
+    # a request finding no engine waits this long for one (30 s by default)
+    gen = Generator(client, lambda ids, params: FakeDetokenizer(tok, ids, params), metrics, journal=journal,
+                    replay_wait_s=0.5)
     model = ModelInfo(name="fake", path="/models/fake", vocab_size=VOCAB, max_model_len=max_model_len,
                       eos_token_id=EOS)
     server = FrontendServer(client, OpenAIServing(gen, tok, model), metrics)
