@@ -66,10 +66,6 @@ class DeathReporter:
                  reason=reason, sent_at=time.time(), **({"cause": cause} if cause else {}))
         return True
 
-    def cause(self, engine_id: int, pid: int | None, reason: str, cause: str) -> bool:
-        """The reaped engine's cause of death (a second notice for the same pid)."""
-        return self(engine_id, pid, reason, cause)
-
     def close(self) -> None:
         self._sock.close(linger=0)
 

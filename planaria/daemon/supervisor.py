@@ -63,13 +63,14 @@ class _NullNotifier:
 
 
 def _is_stopped(pid: int | None) -> bool:
-    """Whether the process is stopped (SIGSTOP/SIGTSTP: state T in /proc/PID/stat)."""
+    """Whether the process is stopped (SIGSTOP/SIGTSTP, or stopped under a tracer)."""
+    import psutil
+
     if pid is None:
         return False
     try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rpartition(b")")[2].split()[0] in (b"T", b"t")
-    except (OSError, IndexError):
+        return psutil.Process(pid).status() in (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP)
+    except psutil.Error:
         return False
 
 
@@ -269,9 +270,6 @@ class Supervisor:
                                f"despite its flap hold")
                 self._slot_log(slot).warning("availability floor", restart_at_cap_s=self.policy.backoff_max_s)
             self._slot_log(slot).info("restart scheduled", in_s=round(slot.due_at - self.clock(), 3))
-            for other in self.engines.values():  # this one is not coming back soon: re-decide
-                if other is not slot and other.held and self._last_one(other):
-                    self._decide(other)
         elif isinstance(action, GiveUp):
             slot.state, slot.reason = SlotState.FAILED, action.reason
             self._slot_log(slot).error("giving up", reason=action.reason)
@@ -282,6 +280,12 @@ class Supervisor:
                     self._failed_for_config(s) for s in self.engines.values())
                 self.exit_code = EXIT_CONFIG if config_error else EXIT_FAILURE
                 self.begin_shutdown()
+        if (slot.held or slot.state is SlotState.FAILED) and not self.shutting_down:
+            # this one is not coming back soon: a held engine that is now the node's last
+            # is decided again (the availability floor brings it back)
+            for other in self.engines.values():
+                if other is not slot and other.held and self._last_one(other):
+                    self._decide(other)
 
     def _failed_for_config(self, slot: Slot) -> bool:
         exits = self.policy.last_exits(slot.key)

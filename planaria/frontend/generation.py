@@ -78,9 +78,8 @@ class Generator:
         self._make_detokenizer = make_detokenizer
         self._metrics = metrics
         self._clock = clock
-        causes = getattr(client, "death_causes", None)
         self.journal = journal if journal is not None else RequestJournal(
-            clock=clock, cause_of=(lambda pid: causes.get(pid)) if causes is not None else (lambda pid: None))
+            clock=clock, cause_of=getattr(client, "death_causes", {}).get)  # pid -> cause
         self.replay_wait_s = replay_wait_s
         listeners = getattr(client, "loss_listeners", None)
         if listeners is not None:  # the death notice's own time starts the replay clock

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import signal
+import time
 
 import pytest
 
@@ -175,6 +177,43 @@ def test_a_held_engine_is_brought_back_when_the_other_one_is_held_too():
     die(sup, engine_child(spawner, 1), 1)  # flaps: would be held 300 s
     due = [s.due_at - clock.t for s in sup.engines.values() if s.state is SlotState.BACKOFF]
     assert min(due) <= 30.0
+
+
+def test_a_held_engine_comes_back_when_the_other_one_gives_up():
+    """Engine 0 held (engine 1 was serving); engine 1 then reaches its retry limit and is
+    given up: engine 0 is the node's last and is decided again, back at the backoff cap."""
+    sup, spawner, clock, _, _ = make(restart_backoff_s=0.0, flap_max_exits=2, retry_limit=3)
+    for _ in range(2):
+        die(sup, engine_child(spawner, 0), 1)
+        sup.tick()
+    assert sup.engines[0].held
+    for _ in range(4):  # start-up failures (never a step); the floor restarts it at the cap
+        if sup.engines[1].child is None:
+            clock.t = sup.engines[1].due_at
+            sup.tick()
+        die(sup, engine_child(spawner, 1), 1)
+    assert sup.engines[1].state is SlotState.FAILED
+    e0 = sup.engines[0]  # its exit was over 60 s ago by now: restarted at once
+    assert not e0.held and e0.state is SlotState.STARTING
+
+
+def test_is_stopped_reads_a_real_stopped_process():
+    import subprocess
+
+    from planaria.daemon.supervisor import _is_stopped
+
+    p = subprocess.Popen(["sleep", "30"])
+    try:
+        assert not _is_stopped(p.pid)
+        os.kill(p.pid, signal.SIGSTOP)
+        deadline = time.monotonic() + 5
+        while not _is_stopped(p.pid) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert _is_stopped(p.pid)
+    finally:
+        p.kill()
+        p.wait()
+    assert not _is_stopped(p.pid) and not _is_stopped(None)
 
 
 @pytest.mark.parametrize("how,stopped,expected", [

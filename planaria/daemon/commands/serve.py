@@ -88,7 +88,7 @@ def main(args: argparse.Namespace) -> int:
     ctx = zmq.Context()
     reporter = DeathReporter(ctx, frontend_addresses(config)[1])
     supervisor = Supervisor(config, PopenSpawner(), time.monotonic, notifier=notifier,
-                            report_dead=reporter, report_cause=reporter.cause)
+                            report_dead=reporter, report_cause=reporter)
     ep_parts = None
     if config.parallel == "ep":
         try:
