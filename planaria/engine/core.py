@@ -350,10 +350,11 @@ class EngineCore:
         if verdict == "stop":
             req.stop_reason = None
             self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_STOPPED)
-        elif verdict is not None:  # a sampled token the mask should have excluded: ours
+        elif verdict is not None:  # the grammar's dead end (the request's), or a token the mask excluded (ours)
             self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_ERROR)
             req.error = verdict
-            req.extra[_ERROR_CODE_KEY] = OutputErrorCode.INTERNAL
+            req.extra[_ERROR_CODE_KEY] = (OutputErrorCode.INVALID_REQUEST if req.structured.dead_end
+                                          else OutputErrorCode.INTERNAL)
 
     def take_iteration_details(self) -> list | None:
         """The steps recorded since the last call (EngineConfig.iteration_details), or None."""

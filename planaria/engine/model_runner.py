@@ -170,10 +170,10 @@ class ModelRunner:
             if logit_rows:
                 rows = torch.tensor(logit_rows, dtype=torch.long, device=self.device)
                 logits = self.model.compute_logits(hidden.index_select(0, rows))  # [N, V]
-                if grammar is not None:
-                    grammar.apply(logits)
-                self.forward_s += time.perf_counter() - f0
                 reqs: list[Request] = [scheduled[i].req for i in sample_slots]
+                if grammar is not None:
+                    grammar.apply(logits, reqs)
+                self.forward_s += time.perf_counter() - f0
                 smd = SamplingMetadata.build(reqs, self.spec.vocab_size, self.device)
                 out = self.sampler(logits, smd)
                 tokens = out.sampled_token_ids.tolist()

@@ -125,7 +125,8 @@ def _build_general(cls, requests: list[Request], vocab_size: int, device) -> Sam
     md = cls(n, all_greedy=num_greedy == n, all_random=num_greedy == 0)
 
     if not md.all_greedy:
-        md.temperature = torch.tensor([r.temperature for r in rows], dtype=torch.float32, device=device)
+        md.temperature = torch.tensor([min(r.temperature, _MAX_FACTOR) for r in rows], dtype=torch.float32,
+                                      device=device)
         if not md.all_random:
             md.greedy_mask = torch.tensor(greedy, dtype=torch.bool, device=device)
         top_k = [min(r.top_k, vocab_size) if r.top_k and not r.greedy else vocab_size for r in rows]
@@ -174,6 +175,10 @@ def _penalty_output_ids(req: Request) -> list[int]:
 
 
 _PROMPT_MASK_KEY = "_sampling_prompt_mask"
+# Largest temperature or repetition penalty (and inverse of the smallest penalty) put in a
+# float32 tensor: logits (|x| < 1e4) scaled by it and by 1 / temperature (<= 1e5, greedy
+# below that) stay far below float32's 3.4e38, so softmax never sees inf - inf.
+_MAX_FACTOR = 1e20
 
 
 def _prompt_mask(req: Request, vocab_size: int, device) -> torch.Tensor:
@@ -202,9 +207,13 @@ def _build_penalties(rows: list[_RowParams], requests: list[Request], vocab_size
     def floats(name: str) -> torch.Tensor:
         return torch.tensor([float(getattr(p, name)) for p in params], dtype=torch.float32, device=device)
 
+    # A penalty of 5e-324 is > 0 as a Python float but 0.0 in float32, and -inf * 0 (a
+    # grammar-masked token) is NaN, which argmax then picks; 1e300 is inf, and 0 * inf is
+    # NaN too. Clamped to [1e-20, 1e20], every product stays finite (or -inf for -inf).
+    repetition = [min(max(float(p.repetition_penalty), 1 / _MAX_FACTOR), _MAX_FACTOR) for p in params]
     return PenaltyInputs(
         rows=torch.tensor(idx, dtype=torch.int64, device=device),
-        repetition=floats("repetition_penalty"),
+        repetition=torch.tensor(repetition, dtype=torch.float32, device=device),
         presence=floats("presence_penalty"),
         frequency=floats("frequency_penalty"),
         prompt_mask=torch.stack([_prompt_mask(r, vocab_size, device) for r in reqs]),

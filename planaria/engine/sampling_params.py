@@ -11,6 +11,8 @@ once, in ``__post_init__``.
 
 from __future__ import annotations
 
+import math
+
 import msgspec
 
 from planaria.engine.errors import InvalidRequestError
@@ -83,6 +85,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
                      "presence_penalty", "frequency_penalty"):
             if not is_num(getattr(self, name)):
                 bad(f"{name} must be a number, got {type(getattr(self, name)).__name__}")
+            if not math.isfinite(getattr(self, name)):
+                bad(f"{name} must be a finite number, got {getattr(self, name)}")
         if self.temperature < 0:
             bad(f"temperature must be >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:

@@ -105,7 +105,7 @@ def json_depth(value, limit: int) -> int:
 class RequestGrammar:
     """One request's grammar state (``Request.structured``)."""
 
-    __slots__ = ("source", "prefix_tokens", "matcher", "error", "error_code")
+    __slots__ = ("source", "prefix_tokens", "matcher", "error", "error_code", "dead_end")
 
     def __init__(self, source: str, prefix_tokens: list[int]) -> None:
         self.source = source
@@ -113,6 +113,9 @@ class RequestGrammar:
         self.matcher = None  # llguidance.LLMatcher once compiled
         self.error: str | None = None
         self.error_code = OutputErrorCode.INVALID_REQUEST  # with error: whose fault it is
+        # the last mask allowed no token at all: the grammar needs bytes no token of this
+        # vocabulary produces (e.g. a choice in a script the tokenizer never saw)
+        self.dead_end = False
 
     @property
     def done(self) -> bool:
@@ -128,8 +131,9 @@ class GrammarBitmask:
         self.rows = rows
         self.bitmask = bitmask  # [R, ceil(V/32)] int32, one row per grammar request
 
-    def apply(self, logits: torch.Tensor) -> None:
-        """Disallowed tokens of the grammar rows of ``logits`` [N, V] become -inf."""
+    def apply(self, logits: torch.Tensor, reqs: list[Request]) -> None:
+        """Disallowed tokens of the grammar rows of ``logits`` [N, V] become -inf; a row
+        whose mask allows nothing marks its request (``reqs[row]``) as at a dead end."""
         self._future.result()
         vocab = logits.shape[1]
         mask = self.bitmask.to(logits.device, non_blocking=True)
@@ -139,6 +143,8 @@ class GrammarBitmask:
         sub = logits.index_select(0, rows)
         sub.masked_fill_(~allowed, float("-inf"))
         logits.index_copy_(0, rows, sub)
+        for j in (~allowed.any(dim=1)).nonzero().flatten().tolist():
+            reqs[self.rows[j]].structured.dead_end = True
 
 
 class StructuredOutputManager:
@@ -254,9 +260,13 @@ class StructuredOutputManager:
 
     def accept(self, req: Request, token: int) -> str | None:
         """Advance ``req``'s matcher by its sampled token. Returns "stop" when the grammar is
-        complete, an error text when the token broke it, else None."""
+        complete, an error text when the token broke it (``req.structured.dead_end``: no
+        token could have kept it), else None."""
         matcher = req.structured.matcher
         if not matcher.consume_token(token):
+            if req.structured.dead_end:
+                return ("structured output cannot continue: no token of this model's vocabulary matches "
+                        f"what the grammar requires next ({matcher.get_error()})")
             return f"structured output: sampled token {token} violates the grammar: {matcher.get_error()}"
         return "stop" if matcher.is_stopped() else None
 

@@ -194,3 +194,29 @@ def test_metadata_caches_row_constants():
     SamplingMetadata.build([r], V, "cpu")
     assert r.extra.keys() == cached.keys() and all(r.extra[k] is cached[k] for k in cached)
     assert math.isclose(SamplingMetadata.build([r], V, "cpu").temperature.item(), 0.5)
+
+
+@pytest.mark.parametrize("penalty", [5e-324, 1e-40, 1e300])
+@pytest.mark.parametrize("temperature", [0.0, 0.7, 1e300])
+def test_extreme_penalties_never_pick_a_masked_token(penalty, temperature):
+    """A grammar leaves tokens 7 and 8 (-inf elsewhere). 5e-324 is 0 in float32 and -inf * 0
+    is NaN, which argmax takes (the fuzz's 500s); 1e300 is inf and 0 * inf is NaN too."""
+    row = torch.full((1, V), float("-inf"))
+    row[0, 7], row[0, 8] = 1.5, -0.5
+    params = SamplingParams(temperature=temperature, repetition_penalty=penalty, presence_penalty=0.1)
+    params.validate(V)
+    for seed in range(20):
+        torch.manual_seed(seed)
+        # the prompt holds 7, 8 and masked tokens: every branch of the repetition penalty
+        token = int(_sample(row.clone(), [_req(params, prompt=(1, 7, 8, 9), output=(8,))]).sampled_token_ids[0])
+        assert token in (7, 8)
+
+
+@pytest.mark.parametrize("field", ["temperature", "top_p", "min_p", "repetition_penalty",
+                                   "presence_penalty", "frequency_penalty"])
+@pytest.mark.parametrize("value", [math.inf, -math.inf, math.nan])
+def test_non_finite_numbers_are_refused(field, value):
+    from planaria.engine.errors import InvalidRequestError
+
+    with pytest.raises(InvalidRequestError, match=field):
+        SamplingParams(**{field: value}).validate(V)

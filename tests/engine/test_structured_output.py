@@ -221,3 +221,30 @@ def test_grammar_source_rejects_malformed_specs():
     for bad in ({"type": "regex"}, {"type": "choice", "value": [1]}, "json", {"type": "json_schema", "value": "[1]"}):
         with pytest.raises(InvalidRequestError):
             grammar_source(bad)
+
+
+def test_a_grammar_no_token_can_continue_is_the_requests_error(llm):
+    """A mask that allows nothing (the grammar needs bytes no token of this vocabulary
+    produces) marks only that request; the token sampled from all -inf breaks the grammar,
+    and the error says why, as the request's fault (400), not an internal one."""
+    import torch
+
+    mgr = llm.core.structured
+    other = Request("other", [1, 2], SamplingParams(), None, 8)
+    req = Request("dead", [1, 2], SamplingParams(), None, 8)
+    mgr.submit(req, {"type": "choice", "value": ["ab"]})
+    deadline = time.monotonic() + 30
+    while not mgr.take_ready()[0]:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    mask = mgr.start_bitmask([other, req])
+    mask._future.result()
+    allowed = [(int(mask.bitmask[0, t // 32]) >> (t % 32)) & 1 for t in range(mgr.vocab_size)]
+    refused = allowed.index(0)
+    mask.bitmask.zero_()  # nothing allowed
+    logits = torch.zeros(2, mgr.vocab_size)
+    mask.apply(logits, [other, req])  # row 0: no grammar; row 1: the request
+    assert req.structured.dead_end and other.structured is None
+    assert torch.isneginf(logits[1]).all() and torch.isfinite(logits[0]).all()
+    verdict = mgr.accept(req, refused)
+    assert verdict.startswith("structured output cannot continue: no token of this model's vocabulary"), verdict

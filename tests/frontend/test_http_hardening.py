@@ -13,7 +13,7 @@ import time
 import urllib.request
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 
 from tests.frontend._http_fuzz import Case, cases, describe, problems, send
 from tests.frontend._stack import Stack
@@ -102,6 +102,16 @@ def test_fuzz_http_api_no_5xx_and_the_engine_survives(stack):
     @settings(max_examples=200, deadline=None, database=None, derandomize=True,
               suppress_health_check=list(HealthCheck))
     @given(case=cases())
+    # found by bench/http_fuzz.py at 10,000 requests (500s): a repetition penalty that is 0
+    # in float32 made grammar-masked logits NaN (-inf * 0), and argmax took one
+    @example(case=Case("/v1/completions", b'{"prompt": "@=\\u00cd\\udacc\\udc079C", "temperature": 5e-324, '
+                       b'"repetition_penalty": 5e-324, "top_k": 9223372036854775807, '
+                       b'"guided_choice": ["aaaaaaaaaaaaaaaa"], "max_tokens": 4}'))
+    @example(case=Case("/v1/completions", b'{"frequency_penalty": 1.9999999999999998, "repetition_penalty": 5e-324, '
+                       b'"guided_choice": ["\\u00db\\ud8a4\\ude74\\ud81d\\ude47;7~9"], "min_tokens": 4, '
+                       b'"temperature": 1.9999999999999998, "prompt": [72, 1, 105, 234], "max_tokens": 6}'))
+    @example(case=Case("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi"}], '
+                       b'"repetition_penalty": 1e300, "temperature": 1e300, "max_tokens": 4}'))
     def one(case):
         out = send(stack.base, case, AUTH)
         statuses[out.status] += 1
