@@ -598,6 +598,7 @@ class Supervisor:
                 "kv_cache_bytes": hb.kv_cache_bytes if hb else None,
                 "num_kv_blocks": hb.num_kv_blocks if hb else None,
                 "kv_source": hb.kv_source if hb else None,
+                "dtype": (hb.dtype or None) if hb else None,
                 "step_counter": hb.step_counter if hb else None})
         ep = self.ep_status()
         if ep is not None:

@@ -205,6 +205,7 @@ class EPEngineCoreProc(EngineCoreProc):
         self.timings["started_at"] = self._started_at
         self.timings["load_begin_at"] = time.time()
         self.core = make_ep_core(self.config, spec)
+        self._dtype_text = self.core.dtype_text
         self.ep = EPRank(self.core, spec, bind_host=self.bind_host)
         self.ep.spec = msgspec.structs.replace(spec, epoch=-1)  # not in a group yet
         self.timings["load_s"] = time.monotonic() - t0

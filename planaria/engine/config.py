@@ -9,7 +9,7 @@ import msgspec
 
 class EngineConfig(msgspec.Struct, kw_only=True, omit_defaults=True):
     model: str
-    dtype: str | None = None  # None: float32 on CPU, bfloat16 on GPU
+    dtype: str | None = None  # None / "auto": engine/dtype.py (bf16 on AMX/AVX512-BF16 CPUs and GPUs)
     device: str = "cpu"
     seed: int = 0
     max_model_len: int | None = None  # None: the model's max_position_embeddings

@@ -65,6 +65,8 @@ class EngineCore:
         self.init_timings = {"weights_s": time.monotonic() - t_load, **self.runner.load_timings,
                              "config_s": config_s}
         self.vocab_size = self.runner.spec.vocab_size
+        choice = self.runner.dtype_choice
+        self.dtype_text = f"{choice.name} ({choice.reason})"
         self.model_fingerprint = model_fingerprint(config.model)
         self.weight_version = self.model_fingerprint
         self._weight_update = None  # engine.weight_update.WeightLoad: reading, or waiting for its step boundary

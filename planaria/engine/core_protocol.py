@@ -18,6 +18,7 @@ class EngineCoreProtocol(Protocol):
     kv_cache_bytes: int
     kv_source: str  # "profiled", "given", "reused"; "none" without a KV cache
     init_timings: dict[str, float]  # where the start-up went (seconds per phase)
+    dtype_text: str  # the compute dtype and why (engine/dtype.py), for logs and status
     step_counter: int  # steps run so far: the heartbeat's progress counter
 
     def config_hash(self) -> str:

@@ -42,6 +42,7 @@ class Heartbeat(msgspec.Struct, kw_only=True, omit_defaults=True):
     kv_cache_bytes: int = 0
     num_kv_blocks: int = 0
     kv_source: str = ""
+    dtype: str = ""  # the compute dtype and why, e.g. "bfloat16 (auto: CPU has amx_bf16)"
     timestamp: float = 0.0  # the engine's time.time(), for logs only
     exit_sentinel_tids: list[int] = []  # threads that end only when the process does
 

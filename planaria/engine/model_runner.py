@@ -10,6 +10,7 @@ import structlog
 import torch
 
 from planaria.engine.config import EngineConfig
+from planaria.engine.dtype import choose_dtype
 from planaria.engine.errors import KVCacheTooSmallError, RequestExecutionError
 from planaria.engine.memory import MemoryProfile, device_memory_bytes, measure_peak, tune_cpu_allocator
 from planaria.engine.models.loader import load_model
@@ -23,9 +24,9 @@ log = structlog.get_logger("planaria.engine.runner")
 
 
 def resolve_dtype(config: EngineConfig, device: torch.device) -> torch.dtype:
-    if config.dtype:
-        return getattr(torch, config.dtype)
-    return torch.bfloat16 if device.type == "cuda" else torch.float32
+    """The compute dtype (engine/dtype.py: "auto" is bfloat16 where the CPU has AMX or
+    AVX512-BF16 and on GPUs, float32 elsewhere)."""
+    return choose_dtype(config.dtype, device).dtype
 
 
 class ModelRunner:
@@ -33,7 +34,8 @@ class ModelRunner:
                  hf_config=None) -> None:
         self.config = config
         self.device = torch.device(config.device)
-        self.dtype = resolve_dtype(config, self.device)
+        self.dtype_choice = choose_dtype(config.dtype, self.device)
+        self.dtype = self.dtype_choice.dtype
         if self.device.type == "cpu":
             tune_cpu_allocator()
             if config.num_threads:

@@ -97,6 +97,7 @@ class EngineCoreProc:
         self.settings = settings or ProcSettings()
         self._core_factory = core_factory
         self.core: EngineCoreProtocol | None = None
+        self._dtype_text = ""  # set once the core is built: the heartbeat and ready line show it
         s = self.settings  # the states, deadlines and exits; this object carries out its actions
         self.lifecycle = EngineLifecycle(s.drain_timeout_s, s.recovery_timeout_s, s.keep_requests_on_fault)
         self.input_queue: queue.SimpleQueue = queue.SimpleQueue()  # put() is signal-safe
@@ -145,8 +146,8 @@ class EngineCoreProc:
             send_all(self._links, MsgType.READY, self._ready())
             self._carry_out(self.lifecycle.on_ready())
             timings = {"since_exec_s": _since_exec_s(), **self.core.init_timings}  # where the start-up went
-            log.info("engine %d ready: %d KV blocks, max_model_len %d; start-up %s", self.engine_index,
-                     self.core.num_kv_blocks, self.core.max_model_len,
+            log.info("engine %d ready: %s, %d KV blocks, max_model_len %d; start-up %s", self.engine_index,
+                     self._dtype_text, self.core.num_kv_blocks, self.core.max_model_len,
                      " ".join(f"{k}={v:.3f}" for k, v in timings.items()))
             input_thread = InputThread(self.engine_index, self._links, self.input_queue,
                                        self.output_queue, self.settings.max_message_bytes,
@@ -191,6 +192,7 @@ class EngineCoreProc:
 
             self._core_factory = create_engine_core
         self.core = self._core_factory(self.config)
+        self._dtype_text = self.core.dtype_text
 
     def _ready(self) -> Ready:
         core = self.core
@@ -211,7 +213,7 @@ class EngineCoreProc:
                          num_running=stats.num_running, num_waiting=stats.num_waiting,
                          kv_usage=stats.kv_usage, kv_cache_bytes=core.kv_cache_bytes,
                          num_kv_blocks=core.num_kv_blocks, kv_source=core.kv_source,
-                         timestamp=time.time())
+                         dtype=self._dtype_text, timestamp=time.time())
 
     def _abort_eagerly(self, slot: int, request_ids: list[str]) -> None:
         """Input thread: hand this frontend's in-flight requests among ``request_ids`` to

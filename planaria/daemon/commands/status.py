@@ -7,6 +7,8 @@ Wire: {"command": "status", "args": {}} -> {"status": "...", "engines": [{"engin
 "kv_usage", "kv_cache_bytes", "kv_source", ...}], "frontend": {...}, "scale": ...}.
 kv_source is "profiled" (measured at start), "given" (--engine-config-json
 kv_cache_bytes) or "reused" (a scale-up engine that took the running engines' figure).
+"dtype" is the engine's compute dtype and why, e.g. "float32 (auto: CPU has no
+amx_bf16/avx512_bf16)" (engine/dtype.py).
 With --parallel ep, "ep" holds the epoch, its ranks, whether this node leads, the
 cluster's desired count, the leader's placement (node -> engines, and "unplaced" when
 capacity is short), the nodes (host, HTTP address, --engines, --max-engines), the active
@@ -64,13 +66,13 @@ def render(data: dict[str, Any]) -> str:
 
     ep = data.get("ep")
     rows = [("ENGINE", "RANK", "STATE", "PID", "UPTIME", "RESTARTS", "RUN/WAIT", "KV USE",
-             "KV CACHE", "KV SOURCE") + (("EPOCH", "EP STATE") if ep else ())]
+             "KV CACHE", "KV SOURCE", "DTYPE") + (("EPOCH", "EP STATE") if ep else ())]
     for e in data["engines"]:
         load = "-" if e["num_running"] is None else f"{e['num_running']}/{e['num_waiting']}"
         kv_use = "-" if e["kv_usage"] is None else f"{100 * e['kv_usage']:.0f}%"
         rows.append((str(e["engine_id"]), dash(e["rank"]), e["state"], dash(e["pid"]),
                      _fmt_s(e["uptime_s"]), str(e["restarts"]), load, kv_use,
-                     _fmt_bytes(e["kv_cache_bytes"]), dash(e["kv_source"]))
+                     _fmt_bytes(e["kv_cache_bytes"]), dash(e["kv_source"]), dash(e.get("dtype")))
                     + ((dash(e.get("epoch")), dash(e.get("ep_state"))) if ep else ()))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = [data["status"]]

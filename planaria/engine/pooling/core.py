@@ -19,7 +19,7 @@ from planaria.engine.config import EngineConfig
 from planaria.engine.errors import (InvalidRequestError, RequestExecutionError, UnsupportedModelError,
                                     WeightLoadError)
 from planaria.engine.messages import EngineCoreOutput, EngineCoreRequest, SchedulerStats
-from planaria.engine.model_runner import resolve_dtype
+from planaria.engine.dtype import choose_dtype
 from planaria.engine.models.loader import model_fingerprint
 from planaria.engine.pooling.loader import is_bert_config, load_bert, read_json
 from planaria.kernels.pooling import POOLERS, l2_normalize
@@ -48,7 +48,8 @@ class PoolingEngineCore:
             log.warning("Chunked prefill is not supported for pooling models; disabling")
         self.config = config
         self.device = torch.device(config.device)
-        self.dtype = resolve_dtype(config, self.device)
+        choice = choose_dtype(config.dtype, self.device)
+        self.dtype, self.dtype_text = choice.dtype, f"{choice.name} ({choice.reason})"
         t0 = time.monotonic()
         self.model, self.spec, self.pooling, self.weights_bytes = load_bert(config.model, self.dtype, self.device)
         self.init_timings = {"weights_s": time.monotonic() - t0}
