@@ -304,7 +304,8 @@ class EngineCore:
                 if sr.req.request_id not in failed and sr.req.status == RequestStatus.RUNNING:
                     # Roll the innocent requests back so they recompute this step.
                     sr.req.num_computed_tokens = sr.start_pos
-            self.fail_requests(list(failed), str(result))
+            self.fail_requests(list(failed), str(result), OutputErrorCode.INVALID_REQUEST
+                               if result.request_fault else OutputErrorCode.INTERNAL)
             return self._take_pending()
         sampled, logprobs = result
         if logprobs is not None:

@@ -106,11 +106,14 @@ class WireFormatError(EngineError, ValueError):
 
 
 class RequestExecutionError(EngineError):
-    """A fault inside a step that is pinned to some requests: those fail, the engine goes on."""
+    """A fault inside a step that is pinned to some requests: those fail, the engine goes on.
+    ``request_fault``: the requests asked for something impossible (their error is an
+    invalid-request one, a 400), not an engine fault."""
 
-    def __init__(self, request_ids: list[str], message: str) -> None:
+    def __init__(self, request_ids: list[str], message: str, request_fault: bool = False) -> None:
         super().__init__(message)
         self.request_ids = list(request_ids)
+        self.request_fault = request_fault
 
 
 class GrammarError(InvalidRequestError):

@@ -28,7 +28,8 @@ class EngineCoreRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
     # grammar consumes them before the first new token.
     structured_output_prefix_tokens: list[int] | None = None
     # A replay (frontend/journal.py): the last N prompt tokens are output the request already
-    # produced elsewhere; seeded sampling and presence/frequency penalties count them as output.
+    # produced elsewhere; seeded sampling, presence/frequency penalties and bad words count
+    # them as output.
     num_prior_output_tokens: int = 0
 
 

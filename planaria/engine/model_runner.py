@@ -179,6 +179,12 @@ class ModelRunner:
                 smd = SamplingMetadata.build(reqs, self.spec.vocab_size, self.device)
                 out = self.sampler(logits, smd)
                 tokens = out.sampled_token_ids.tolist()
+                stuck = out.rows_without_token()
+                if stuck:  # the request's own contradiction: e.g. allowed_token_ids all bad words
+                    raise RequestExecutionError(
+                        [reqs[j].request_id for j in stuck],
+                        "no token can be sampled: allowed_token_ids, bad_words, min_tokens and the "
+                        "structured output grammar together exclude every token", request_fault=True)
                 bad = [r.request_id for r, t in zip(reqs, tokens) if not 0 <= t < self.spec.vocab_size]
                 if bad:
                     raise RequestExecutionError(bad, "sampling produced an invalid token (non-finite logits?)")

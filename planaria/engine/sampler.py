@@ -1,12 +1,15 @@
 """The sampler: logits [N, V] and a step's SamplingMetadata -> one token per row, and the
 Logprobs records of the rows that asked. The tensor work is kernels/sampling.py.
 
-Order of operations as in vLLM v1: penalties (repetition, presence, frequency), min_tokens
-masking of stop/eos ids, greedy argmax for greedy rows; then for random rows temperature,
-min_p, top-k, top-p and the exponential race (argmax of probs / q, q ~ Exp(1)). Logprobs
-come from the log-softmax of the post-penalty, pre-temperature logits (before min_tokens
-masking). ``sampled_rank`` is 1-based as in vLLM: the number of tokens whose logprob is at
-least the sampled token's.
+Order of operations: penalties (repetition, presence, frequency), the logit controls
+(logit bias added, then allowed token ids and bad words masked: engine/logit_controls.py),
+min_tokens masking of stop/eos ids, greedy argmax for greedy rows; then for random rows
+temperature, min_p, top-k, top-p and the exponential race (argmax of probs / q, q ~ Exp(1)).
+A structured-output grammar masked its rows to -inf before the sampler (model_runner.py);
+a bias never revives such a token (-inf + 100 = -inf). Logprobs come from the log-softmax
+of the logits after penalties and controls, before min_tokens masking and temperature
+(the distribution the request samples from at temperature 1). ``sampled_rank`` is 1-based
+as in vLLM: the number of tokens whose logprob is at least the sampled token's.
 
 Seeded rows draw q from a generator seeded for this step only (engine/sampling_metadata.py),
 so a row's token does not depend on which other rows share the batch; unseeded rows share
@@ -29,6 +32,15 @@ from planaria.kernels.sampling import (apply_penalties, argmax_rows, compute_log
 class SamplerOutput:
     sampled_token_ids: torch.Tensor  # [N] int64
     logprobs: list[Logprobs | None] | None  # [N], None on rows that did not ask; None if none did
+    # (rows [R], no token left [R] bool) for rows an allow-list or bad words restrict; None if none
+    no_token: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def rows_without_token(self) -> list[int]:
+        """Rows whose every token was excluded (their sampled token means nothing). Syncs."""
+        if self.no_token is None:
+            return []
+        rows, flags = self.no_token
+        return [r for r, f in zip(rows.tolist(), flags.tolist()) if f]
 
 
 class Sampler:
@@ -40,9 +52,12 @@ class Sampler:
             p = md.penalties
             logits = apply_penalties(logits, p.rows, p.repetition, p.presence, p.frequency,
                                      p.prompt_mask, p.output_token_ids)
+        if md.controls is not None:
+            logits = md.controls.apply(logits)
         lp_logits = logits
         if md.stop_mask_rows is not None:
             logits = mask_tokens(logits, md.stop_mask_rows, md.stop_mask_token_ids)
+        no_token = md.controls.no_token_rows(logits) if md.controls is not None else None
         if md.all_greedy:
             sampled = argmax_rows(logits)  # [N]
         else:
@@ -52,7 +67,7 @@ class Sampler:
             if not md.all_random:
                 sampled = torch.where(md.greedy_mask, argmax_rows(logits), sampled)
         logprobs = gather_logprobs(lp_logits, sampled, md) if md.max_num_logprobs is not None else None
-        return SamplerOutput(sampled, logprobs)
+        return SamplerOutput(sampled, logprobs, no_token)
 
 
 def gather_logprobs(logits: torch.Tensor, sampled: torch.Tensor,

@@ -2,9 +2,10 @@
 
 ``SamplingMetadata.build(requests, vocab_size, device)`` makes one row per request, in the
 order given (the row whose logits come from that request's last scheduled token). It must
-be cheap: the common batch (all greedy, no penalties, no logprobs, no min_tokens pending)
-takes a fast path that builds no tensor at all, and the per-request constants are cached on
-the request (``Request.extra[ROW_PARAMS_KEY]``) the first time it is seen.
+be cheap: the common batch (all greedy, no penalties, no logprobs, no min_tokens pending,
+no logit bias / allowed token ids / bad words) takes a fast path that builds no tensor at
+all, and the per-request constants are cached on the request
+(``Request.extra[ROW_PARAMS_KEY]``) the first time it is seen.
 
 Seeded rows never carry a generator across steps. Each step draws from a generator seeded
 with ``step_seed(seed, step)``, where ``step`` counts the request's output tokens so far, so
@@ -20,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from planaria.engine.logit_controls import LogitControls, build_logit_controls
 from planaria.engine.request import Request
 
 ROW_PARAMS_KEY = "_sampling_row"
@@ -40,7 +42,7 @@ class _RowParams:
     """The constant part of one request's sampling row (cached on the request)."""
 
     __slots__ = ("plain_greedy", "greedy", "temperature", "top_k", "top_p", "min_p", "seed",
-                 "has_penalties", "num_logprobs", "min_tokens", "stop_token_ids")
+                 "has_penalties", "has_controls", "num_logprobs", "min_tokens", "stop_token_ids")
 
     def __init__(self, req: Request) -> None:
         p = req.sampling_params
@@ -51,13 +53,15 @@ class _RowParams:
         self.min_p = float(p.min_p)
         self.seed = p.seed
         self.has_penalties = p.has_penalties
+        self.has_controls = p.has_logit_controls
         self.num_logprobs = p.logprobs
         stop = list(p.stop_token_ids)
         if req.eos_token_id is not None and not p.ignore_eos:
             stop.append(req.eos_token_id)
         self.stop_token_ids = tuple(dict.fromkeys(stop))
         self.min_tokens = p.min_tokens if self.stop_token_ids else 0
-        self.plain_greedy = self.greedy and not self.has_penalties and self.num_logprobs is None
+        self.plain_greedy = (self.greedy and not self.has_penalties and not self.has_controls
+                             and self.num_logprobs is None)
 
 
 def _row_params(req: Request) -> _RowParams:
@@ -91,6 +95,7 @@ class SamplingMetadata:
     min_p: torch.Tensor | None = None  # [N] float32; None if no row uses it
     seeds: tuple[tuple[int, int], ...] = ()  # (row, step_seed) of seeded random rows
     penalties: PenaltyInputs | None = None
+    controls: LogitControls | None = None  # logit bias, allowed token ids, bad words
     # rows still short of min_tokens must not sample their stop/eos ids: (row, token) pairs
     stop_mask_rows: torch.Tensor | None = None  # [M] int64
     stop_mask_token_ids: torch.Tensor | None = None  # [M] int64
@@ -101,8 +106,8 @@ class SamplingMetadata:
     @property
     def plain_greedy(self) -> bool:
         """Nothing to do but argmax."""
-        return (self.all_greedy and self.penalties is None and self.stop_mask_rows is None
-                and self.max_num_logprobs is None)
+        return (self.all_greedy and self.penalties is None and self.controls is None
+                and self.stop_mask_rows is None and self.max_num_logprobs is None)
 
     @classmethod
     def build(cls, requests: list[Request], vocab_size: int,
@@ -144,6 +149,13 @@ def _build_general(cls, requests: list[Request], vocab_size: int, device) -> Sam
 
     if any(r.has_penalties for r in rows):
         md.penalties = _build_penalties(rows, requests, vocab_size, device)
+
+    controlled = [i for i, r in enumerate(rows) if r.has_controls]
+    if controlled:
+        reqs = [requests[i] for i in controlled]
+        md.controls = build_logit_controls(controlled, reqs,
+                                           [r.extra.get(PRIOR_OUTPUT_TOKENS_KEY, 0) for r in reqs],
+                                           vocab_size, device)
 
     mask_rows: list[int] = []
     mask_ids: list[int] = []

@@ -7,6 +7,13 @@ raises ``InvalidRequestError`` for that request only.
 ``stop_token_ids`` is a frozenset (the scheduler tests every sampled token against it);
 on the wire it is an array as before, and a list given to the constructor is converted
 once, in ``__post_init__``.
+
+Token controls (applied by the sampler after the penalties, engine/logit_controls.py):
+``logit_bias`` maps a token id to a bias in [-100, 100] (the frontend clamps OpenAI's
+values into that range); ``allowed_token_ids`` limits sampling to those ids;
+``bad_words_token_ids`` are token sequences (the frontend tokenizes vLLM's ``bad_words``):
+a sequence's last token is forbidden whenever the tokens before it are the last tokens
+generated, so a one-token sequence is always forbidden.
 """
 
 from __future__ import annotations
@@ -18,6 +25,11 @@ import msgspec
 from planaria.engine.errors import InvalidRequestError
 
 _INT_MAX = 2**31 - 1
+MAX_LOGIT_BIAS = 100.0  # OpenAI's and vLLM's bound on a bias's magnitude
+# Bounds an engine enforces whoever sends the request (the frontend's are tighter):
+# every step checks each sequence against the request's output tail.
+MAX_BAD_WORD_SEQUENCES = 1024
+MAX_BAD_WORD_TOKENS = 256
 
 
 class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -38,6 +50,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     frequency_penalty: float = 0.0
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words_token_ids: list[list[int]] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.stop_token_ids, frozenset):
@@ -57,6 +72,11 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
             or self.presence_penalty != 0.0
             or self.frequency_penalty != 0.0
         )
+
+    @property
+    def has_logit_controls(self) -> bool:
+        """A logit bias, an allow-list or bad words: the sampler's controls step runs."""
+        return bool(self.logit_bias) or self.allowed_token_ids is not None or bool(self.bad_words_token_ids)
 
     def validate(self, vocab_size: int | None = None, max_logprobs: int = 20) -> None:
         """Raise InvalidRequestError naming the first bad field."""
@@ -114,3 +134,38 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
             for t in self.stop_token_ids:
                 if not 0 <= t < vocab_size:
                     bad(f"stop token id {t} is outside the vocabulary [0, {vocab_size})")
+        self._validate_logit_controls(vocab_size, bad, is_int, is_num)
+
+    def _validate_logit_controls(self, vocab_size: int | None, bad, is_int, is_num) -> None:
+        limit = _INT_MAX + 1 if vocab_size is None else vocab_size
+
+        def check_ids(name: str, ids: object, what: str = "a list of integers") -> None:
+            if not isinstance(ids, list) or not all(is_int(t) for t in ids):
+                bad(f"{name} must be {what}")
+            for t in ids:
+                if not 0 <= t < limit:
+                    bad(f"{name} token id {t} is outside the vocabulary [0, {limit})")
+
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                bad("logit_bias must be a map of token id to bias")
+            check_ids("logit_bias", list(self.logit_bias), "a map of token id (an integer) to bias")
+            for t, b in self.logit_bias.items():
+                if not is_num(b) or not math.isfinite(b) or abs(b) > MAX_LOGIT_BIAS:
+                    bad(f"logit_bias of token {t} must be a number in [-100, 100], got {b!r}")
+        if self.allowed_token_ids is not None:
+            check_ids("allowed_token_ids", self.allowed_token_ids)
+            if not self.allowed_token_ids:
+                bad("allowed_token_ids must not be empty")
+            if len(self.allowed_token_ids) > limit:
+                bad(f"allowed_token_ids holds at most {limit} ids (the vocabulary), "
+                    f"got {len(self.allowed_token_ids)}")
+        if self.bad_words_token_ids is not None:
+            words = self.bad_words_token_ids
+            if not isinstance(words, list) or len(words) > MAX_BAD_WORD_SEQUENCES:
+                bad(f"bad_words_token_ids must be a list of at most {MAX_BAD_WORD_SEQUENCES} token id lists")
+            for w in words:
+                check_ids("bad_words_token_ids", w, "a list of token id lists")
+                if not 0 < len(w) <= MAX_BAD_WORD_TOKENS:
+                    bad(f"bad_words_token_ids sequences hold 1 to {MAX_BAD_WORD_TOKENS} token ids each, "
+                        f"got {len(w)}")

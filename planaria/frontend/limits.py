@@ -12,6 +12,10 @@ Defaults, and why:
 - ``max_stop`` 16 strings of at most ``max_stop_chars`` 256 characters: every generated
   token is checked against each (OpenAI allows 4).
 - ``max_stop_token_ids`` 1024.
+- ``max_logit_bias`` 1024 entries (each is a scatter per step; OpenAI's clients bias a
+  few dozen tokens at most). ``allowed_token_ids`` holds at most the vocabulary's size.
+- ``max_bad_words`` 64 words of at most ``max_bad_word_chars`` 256 characters: each
+  becomes up to two token sequences, checked against the output at every step.
 - ``max_prompts`` 64 prompts in one /v1/completions batch; ``max_embedding_inputs``
   256 inputs in one /v1/embeddings call (each is one engine request).
 - ``max_chars_per_token`` 16: a text longer than 16 characters per token of the context
@@ -38,6 +42,9 @@ class RequestLimits:
     max_stop: int = 16
     max_stop_chars: int = 256
     max_stop_token_ids: int = 1024
+    max_logit_bias: int = 1024
+    max_bad_words: int = 64
+    max_bad_word_chars: int = 256
     max_prompts: int = 64
     max_embedding_inputs: int = 256
     max_chars_per_token: int = 16

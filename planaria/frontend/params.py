@@ -1,22 +1,30 @@
 """Request struct -> what the engine gets: SamplingParams, structured output, priority.
 
 Pure: no tokenizer, no sockets. ``sampling_params(req, vocab_size=, max_logprobs=)`` rejects
-what this server does not support (``logit_bias``, ``suffix``, ``tools`` ...) and every bad
-value with a ``RequestError`` naming the field; ``fit_max_tokens`` applies the context
-limit once the prompt length is known (vLLM's rule: a prompt that leaves no room for one
-generated token is an error, otherwise max_tokens is capped to the room left).
-The sizes of ``stop`` and ``stop_token_ids`` are bounded by ``limits.RequestLimits``.
+what this server does not support (``suffix``, ``tools`` ...) and every bad value with a
+``RequestError`` naming the field; ``fit_max_tokens`` applies the context limit once the
+prompt length is known (vLLM's rule: a prompt that leaves no room for one generated token
+is an error, otherwise max_tokens is capped to the room left).
+The sizes of ``stop``, ``stop_token_ids``, ``logit_bias`` and ``bad_words`` are bounded by
+``limits.RequestLimits``.
+
+``logit_bias`` is OpenAI's map of token id (a JSON string key) to bias; biases are clamped
+to [-100, 100] as OpenAI and vLLM do, keys must be decimal token ids inside the
+vocabulary. ``bad_words`` are checked here (``check_bad_words``) and tokenized by the
+caller (``prompts.tokenize_bad_words``, it has the tokenizer), whose token sequences
+``sampling_params`` takes as ``bad_words_token_ids``.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import re
 
 import msgspec
 
 from planaria.engine.errors import InvalidRequestError
-from planaria.engine.sampling_params import SamplingParams
+from planaria.engine.sampling_params import MAX_LOGIT_BIAS, SamplingParams
 from planaria.frontend.errors import RequestError
 from planaria.frontend.limits import RequestLimits
 from planaria.frontend.protocol import ChatCompletionRequest, CompletionRequest, _CommonRequest
@@ -32,8 +40,6 @@ def _or(value, default):
 
 
 def _reject_unsupported(req: _CommonRequest) -> None:
-    if req.logit_bias:
-        raise RequestError("logit_bias is not supported by this server", param="logit_bias")
     if req.stream_options is not None and not req.stream:
         raise RequestError("stream_options can only be set when stream is true", param="stream_options")
     if isinstance(req, CompletionRequest):
@@ -81,10 +87,56 @@ def _check_sizes(stop: list[str], stop_token_ids: list[int], limits: RequestLimi
                            f"{len(stop_token_ids)}", param="stop_token_ids")
 
 
+_MAX_KEY_DIGITS = 20  # longer than any token id (and than int() should be asked to parse)
+
+
+def logit_bias(raw: dict[str, float] | None, limits: RequestLimits = RequestLimits()) -> dict[int, float] | None:
+    """OpenAI's ``logit_bias`` as {token id: bias in [-100, 100]}; None when empty. The ids'
+    range is checked against the vocabulary in ``SamplingParams.validate``."""
+    if not raw:
+        return None
+    if len(raw) > limits.max_logit_bias:
+        raise RequestError(f"logit_bias holds at most {limits.max_logit_bias} entries, got {len(raw)}",
+                           param="logit_bias")
+    out: dict[int, float] = {}
+    for key, value in raw.items():
+        if not (key.isascii() and key.isdigit() and len(key) <= _MAX_KEY_DIGITS):
+            raise RequestError(f"logit_bias keys must be token ids (decimal integers), got {key[:40]!r}",
+                               param="logit_bias")
+        if not math.isfinite(value):
+            raise RequestError(f"logit_bias of token {key} must be a finite number, got {value}",
+                               param="logit_bias")
+        out[int(key)] = min(MAX_LOGIT_BIAS, max(-MAX_LOGIT_BIAS, float(value)))
+    return out
+
+
+def check_bad_words(words: list[str] | None, limits: RequestLimits = RequestLimits()) -> list[str]:
+    """The request's ``bad_words`` (empty when none), sizes and contents checked."""
+    if not words:
+        return []
+    if len(words) > limits.max_bad_words:
+        raise RequestError(f"bad_words holds at most {limits.max_bad_words} words, got {len(words)}",
+                           param="bad_words")
+    for w in words:
+        if len(w) > limits.max_bad_word_chars:
+            raise RequestError(f"each bad word has at most {limits.max_bad_word_chars} characters, got "
+                               f"{len(w)}", param="bad_words")
+        if not w.strip():
+            raise RequestError("bad_words must not hold empty or blank words", param="bad_words")
+    return list(words)
+
+
 def sampling_params(req: _CommonRequest, *, vocab_size: int | None = None, max_logprobs: int = 20,
-                    limits: RequestLimits = RequestLimits()) -> SamplingParams:
-    """The engine's SamplingParams for ``req``, validated; RequestError names the bad field."""
+                    limits: RequestLimits = RequestLimits(),
+                    bad_words_token_ids: list[list[int]] | None = None) -> SamplingParams:
+    """The engine's SamplingParams for ``req``, validated; RequestError names the bad field.
+    ``bad_words_token_ids``: ``req.bad_words`` tokenized (``prompts.tokenize_bad_words``)."""
     _reject_unsupported(req)
+    if check_bad_words(req.bad_words, limits) and bad_words_token_ids is None:
+        raise ValueError("sampling_params: bad_words must be tokenized by the caller (bad_words_token_ids)")
+    if req.allowed_token_ids is not None and vocab_size is not None and len(req.allowed_token_ids) > vocab_size:
+        raise RequestError(f"allowed_token_ids holds at most {vocab_size} ids (the vocabulary), got "
+                           f"{len(req.allowed_token_ids)}", param="allowed_token_ids")
     if isinstance(req, ChatCompletionRequest):
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         max_tokens_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
@@ -104,6 +156,9 @@ def sampling_params(req: _CommonRequest, *, vocab_size: int | None = None, max_l
         presence_penalty=_or(req.presence_penalty, 0.0), frequency_penalty=_or(req.frequency_penalty, 0.0),
         skip_special_tokens=_or(req.skip_special_tokens, True),
         include_stop_str_in_output=bool(req.include_stop_str_in_output),
+        logit_bias=logit_bias(req.logit_bias, limits),
+        allowed_token_ids=None if req.allowed_token_ids is None else list(req.allowed_token_ids),
+        bad_words_token_ids=bad_words_token_ids or None,
     )
     try:
         params.validate(vocab_size, max_logprobs)
@@ -115,6 +170,8 @@ def sampling_params(req: _CommonRequest, *, vocab_size: int | None = None, max_l
             param = m.group(1) or "stop_token_ids"
             if param == "max_tokens":
                 param = max_tokens_param
+            elif param == "bad_words_token_ids":
+                param = "bad_words"
             elif param == "logprobs" and isinstance(req, ChatCompletionRequest):
                 param = "top_logprobs"
         raise RequestError(msg, param=param) from exc

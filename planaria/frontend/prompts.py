@@ -141,7 +141,10 @@ def chat_template_kwargs(req: ChatCompletionRequest) -> dict[str, bool]:
     return kwargs
 
 
-def tokenize_chat(req: ChatCompletionRequest, tokenizer, max_chars: int | None = None) -> Prompt:
+def tokenize_chat(req: ChatCompletionRequest, tokenizer, max_chars: int | None = None,
+                  add_special_tokens: bool = False) -> Prompt:
+    """The rendered chat prompt; ``add_special_tokens`` adds the tokenizer's BOS etc. on top
+    of the template's own (False for generation, as vLLM: the template writes them)."""
     kwargs = chat_template_kwargs(req)
     messages = chat_messages(req)
     if kwargs["continue_final_message"] and messages[-1]["role"] != "assistant":
@@ -154,7 +157,24 @@ def tokenize_chat(req: ChatCompletionRequest, tokenizer, max_chars: int | None =
         raise RequestError(f"the chat template could not render these messages: {exc}",
                            param="messages") from exc
     check_chars(text, max_chars, "messages")
-    ids = tokenizer.encode(text, add_special_tokens=False)
+    ids = tokenizer.encode(text, add_special_tokens=add_special_tokens)
     if not ids:
         raise RequestError("the rendered chat prompt is empty", param="messages")
     return Prompt(list(ids), text)
+
+
+def tokenize_bad_words(words: list[str], tokenizer) -> list[list[int]]:
+    """vLLM's ``bad_words`` as token sequences: each word (left-stripped) as it reads at the
+    start of a text, and with a leading space as it reads mid-text, the latter only when it
+    is a different first token and the same number of tokens (a tokenizer that turns the
+    space into a token of its own would otherwise forbid the word's prefix)."""
+    out: list[list[int]] = []
+    for word in words:
+        bare = list(tokenizer.encode(word.lstrip(), add_special_tokens=False))
+        if not bare:
+            continue
+        out.append(bare)
+        spaced = list(tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+        if spaced and spaced[0] != bare[0] and len(spaced) == len(bare):
+            out.append(spaced)
+    return out

@@ -29,7 +29,7 @@ from planaria.frontend.errors import ServiceUnavailableError
 
 
 class LockedEncoder:
-    """The tokenizer calls prompts.py makes, ``encode`` under a lock."""
+    """The tokenizer calls prompts.py and frontend.tokenization make; the Rust ones under a lock."""
 
     def __init__(self, tokenizer) -> None:
         self._tokenizer = tokenizer
@@ -41,6 +41,14 @@ class LockedEncoder:
 
     def apply_chat_template(self, messages, **kwargs) -> Any:
         return self._tokenizer.apply_chat_template(messages, **kwargs)
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = False) -> str:
+        with self._lock:
+            return self._tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+    def convert_ids_to_tokens(self, token_ids: list[int]) -> list[str]:
+        with self._lock:
+            return list(self._tokenizer.convert_ids_to_tokens(token_ids))
 
 
 class PromptRenderer:

@@ -2,16 +2,17 @@
 
     POST /v1/completions, /v1/chat/completions   (frontend.serving)
     POST /v1/embeddings                           (frontend.embeddings, pooling models)
+    POST /tokenize, /detokenize                   (frontend.tokenization, as vllm serve)
     GET  /v1/models   (with the engines' weight_version / weight_versions)
     GET  /health    200 while the process runs (liveness)
     GET  /ready     200 when at least one engine is running and we are not draining, else 503
     GET  /metrics   Prometheus text
 
 Guards, in the order a request meets them: the connection cap (``http_guard.CappedTCPSite``,
-main.py), the API key on /v1/* (and /metrics, /ready with ``api_key_protects_metrics``;
-/health never), the in-flight bound on generation requests (429 with Retry-After), the
-body read (timeout 408, size 413), the JSON nesting depth (400). ``limits.ServerLimits``
-holds their settings.
+main.py), the API key on /v1/*, /tokenize and /detokenize (and /metrics, /ready with
+``api_key_protects_metrics``; /health never), the in-flight bound on generation requests
+and /tokenize, /detokenize (429 with Retry-After), the body read (timeout 408, size 413),
+the JSON nesting depth (400). ``limits.ServerLimits`` holds their settings.
 
 ``create_server(client, model_dir, ...)`` builds the real collaborators (tokenizer,
 detokenizer, Generator) in one place; ``FrontendServer`` takes them ready-made, so tests
@@ -36,11 +37,13 @@ from planaria.frontend.limits import RequestLimits, ServerLimits, check_json_dep
 from planaria.frontend.metrics import FrontendMetrics
 from planaria.frontend.render import PromptRenderer
 from planaria.frontend.serving import ModelInfo, OpenAIServing
+from planaria.frontend.tokenization import TokenServing
 
 log = logging.getLogger(__name__)
 
 ENGINE_WATCH_INTERVAL_S = 0.5
 RETRY_AFTER_S = 1  # what a 429 tells the client to wait
+KEYED_PATHS = ("/tokenize", "/detokenize")  # outside /v1/ (as vLLM), yet behind the API key
 
 
 class FrontendServer:
@@ -55,6 +58,7 @@ class FrontendServer:
         self.num_in_flight = 0
         self.embeddings = None  # frontend.embeddings.EmbeddingServing (create_server sets it)
         self.admin = None  # frontend.admin.EngineAdmin (create_server sets it): weight versions
+        self.tokens = TokenServing(serving)
         self._idle = asyncio.Event()
         self._idle.set()
 
@@ -66,6 +70,8 @@ class FrontendServer:
         app.router.add_post("/v1/chat/completions", self._generation(self.serving.chat))
         if self.embeddings is not None:
             app.router.add_post("/v1/embeddings", self._generation(self.embeddings.embeddings))
+        app.router.add_post("/tokenize", self._generation(self.tokens.tokenize))
+        app.router.add_post("/detokenize", self._generation(self.tokens.detokenize))
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/health", self.health)
         app.router.add_get("/ready", self.ready)
@@ -119,7 +125,7 @@ class FrontendServer:
     @web.middleware
     async def _auth_middleware(self, request: web.Request, handler):
         key = self.limits.api_key
-        if key and (request.path.startswith("/v1/") or (
+        if key and (request.path.startswith("/v1/") or request.path in KEYED_PATHS or (
                 self.limits.api_key_protects_metrics and request.path in ("/metrics", "/ready"))):
             check_api_key(request, key)
         return await handler(request)

@@ -29,8 +29,8 @@ from planaria.frontend.errors import FrontendError, GatewayTimeoutError, NotFoun
 from planaria.frontend.generation import GenerationDelta, Generator
 from planaria.frontend.limits import RequestLimits
 from planaria.frontend.logprobs import ChatLogprobs, CompletionLogprobs, TokenTexts, merge_completion_logprobs
-from planaria.frontend.params import fit_max_tokens, sampling_params, structured_output
-from planaria.frontend.prompts import Prompt, tokenize_chat, tokenize_completion
+from planaria.frontend.params import check_bad_words, fit_max_tokens, sampling_params, structured_output
+from planaria.frontend.prompts import Prompt, tokenize_bad_words, tokenize_chat, tokenize_completion
 from planaria.frontend.protocol import ChatCompletionRequest, decode_chat, decode_completion
 from planaria.frontend.render import PromptRenderer
 
@@ -144,14 +144,20 @@ class OpenAIServing:
         return self._engine_max_model_len() or self.model.max_model_len
 
     # -- request -> engine requests -------------------------------------------------------
-    def _check_model(self, name: str | None) -> None:
+    def check_model(self, name: str | None) -> None:
         if name is not None and name not in (self.model.name, self.model.path):
             raise NotFoundError(f"The model `{name}` does not exist; this server serves "
                                 f"`{self.model.name}`", param="model", code="model_not_found")
 
-    def _engine_requests(self, req, prompts: list[Prompt], base_id: str) -> list[EngineCoreRequest]:
+    async def _bad_words(self, req) -> list[list[int]] | None:
+        """``req.bad_words`` as token sequences, tokenized off the event loop; None if none."""
+        words = check_bad_words(req.bad_words, self.limits)
+        return await self.renderer.run(tokenize_bad_words, words, self.renderer.tokenizer) if words else None
+
+    def _engine_requests(self, req, prompts: list[Prompt], base_id: str,
+                         bad_words_token_ids: list[list[int]] | None = None) -> list[EngineCoreRequest]:
         params = sampling_params(req, vocab_size=self.model.vocab_size, max_logprobs=self.model.max_logprobs,
-                                 limits=self.limits)
+                                 limits=self.limits, bad_words_token_ids=bad_words_token_ids)
         if self.model.extra_eos_token_ids and not params.ignore_eos:
             params = msgspec.structs.replace(
                 params, stop_token_ids=params.stop_token_ids | frozenset(self.model.extra_eos_token_ids))
@@ -173,12 +179,12 @@ class OpenAIServing:
     async def completions(self, request: web.Request) -> web.StreamResponse:
         deadline = self._deadline()
         req = decode_completion(await request.read())
-        self._check_model(req.model)
+        self.check_model(req.model)
         prompts = await self.renderer.run(
             tokenize_completion, req.prompt, self.renderer.tokenizer, self.model.vocab_size,
             self.limits.max_prompt_chars(self.max_model_len), self.limits.max_prompts)
         response_id = req.request_id or R.new_id("cmpl")
-        ecrs = self._engine_requests(req, prompts, R.new_id("cmpl"))
+        ecrs = self._engine_requests(req, prompts, R.new_id("cmpl"), await self._bad_words(req))
         choices = [_Choice(i, len(p.token_ids), prefix=self._echo_text(p) if req.echo else "")
                    for i, p in enumerate(prompts)]
         render = _CompletionRender(choices, self.token_text, req.logprobs)
@@ -187,11 +193,11 @@ class OpenAIServing:
     async def chat(self, request: web.Request) -> web.StreamResponse:
         deadline = self._deadline()
         req: ChatCompletionRequest = decode_chat(await request.read())
-        self._check_model(req.model)
+        self.check_model(req.model)
         prompt = await self.renderer.run(tokenize_chat, req, self.renderer.tokenizer,
                                          self.limits.max_prompt_chars(self.max_model_len))
         response_id = req.request_id or R.new_id("chatcmpl")
-        ecrs = self._engine_requests(req, [prompt], R.new_id("chatcmpl"))
+        ecrs = self._engine_requests(req, [prompt], R.new_id("chatcmpl"), await self._bad_words(req))
         choices = [_Choice(0, len(prompt.token_ids))]
         render = _ChatRender(choices, self.token_text, ecrs[0].sampling_params.logprobs)
         return await self._serve(request, req, ecrs, render, response_id, deadline)

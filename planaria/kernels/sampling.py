@@ -1,4 +1,4 @@
-"""Sampling kernels on logits [N, V]: penalties, masking, temperature / min_p / top-k /
+"""Sampling kernels on logits [N, V]: penalties, logit bias, masking, temperature / min_p / top-k /
 top-p, the exponential race, logprobs. Pure tensor functions; the request-level sampler
 that reads a step's SamplingMetadata and builds Logprobs records is engine/sampler.py.
 
@@ -70,6 +70,20 @@ def apply_penalties(logits: torch.Tensor, rows: torch.Tensor, repetition: torch.
 def mask_tokens(logits: torch.Tensor, rows: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
     """Out of place: -inf at the (``rows`` [M], ``token_ids`` [M]) pairs of ``logits`` [N, V]."""
     return logits.index_put((rows, token_ids), torch.tensor(_NEG_INF, device=logits.device))
+
+
+def add_logit_bias(logits: torch.Tensor, rows: torch.Tensor, token_ids: torch.Tensor,
+                   bias: torch.Tensor) -> torch.Tensor:
+    """Out of place: ``bias`` [B] added at the (``rows`` [B], ``token_ids`` [B]) pairs of
+    ``logits`` [N, V] (pairs may repeat: they add up). A finite bias leaves -inf at -inf."""
+    return logits.index_put((rows, token_ids), bias.to(logits.dtype), accumulate=True)
+
+
+def keep_tokens(logits: torch.Tensor, rows: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    """Out of place: on ``rows`` [A] of ``logits`` [N, V], -inf wherever ``allowed`` [A, V]
+    (bool) is False; the other rows are left untouched."""
+    sub = logits.index_select(0, rows).masked_fill_(~allowed, _NEG_INF)  # [A, V]
+    return logits.index_copy(0, rows, sub)
 
 
 def sample_random(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor | None = None,

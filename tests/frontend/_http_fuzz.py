@@ -26,9 +26,10 @@ from hypothesis import strategies as st
 
 from planaria.frontend.embeddings import EmbeddingRequest
 from planaria.frontend.protocol import ChatCompletionRequest, CompletionRequest
+from planaria.frontend.tokenization import DetokenizeRequest, TokenizeRequest
 
 ROUTES = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest,
-          "/v1/embeddings": EmbeddingRequest}
+          "/v1/embeddings": EmbeddingRequest, "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest}
 MAX_TOKENS = 4
 
 
@@ -104,7 +105,11 @@ SANE = {
                       st.sampled_from([2**31, 2**62, 2**63 - 1])),
     "min_p": st.floats(0, 1), "repetition_penalty": st.one_of(st.floats(0.01, 10),
                                    st.sampled_from([1e-300, 5e-324, 1e308])),
-    "stop_token_ids": token_ids, "logprobs": st.one_of(st.integers(0, 25), st.booleans()),
+    "stop_token_ids": token_ids, "allowed_token_ids": token_ids, "tokens": token_ids,
+    "logit_bias": st.dictionaries(st.one_of(st.integers(0, 500).map(str), strings),
+                                  st.one_of(st.floats(-150, 150), floats), max_size=6),
+    "bad_words": st.lists(st.one_of(strings, st.sampled_from(["a", " the", "x y"])), max_size=4),
+    "logprobs": st.one_of(st.integers(0, 25), st.booleans()),
     "top_logprobs": st.integers(0, 25), "min_tokens": st.one_of(st.integers(0, 5), st.just(2**63 - 1)),
     "priority": huge_ints,
     "prompt": st.one_of(prompt_text, prompt_text, strings, st.lists(prompt_text, min_size=1, max_size=3),
@@ -121,7 +126,8 @@ SANE = {
         max_size=2),
     "encoding_format": st.sampled_from(["float", "base64", "hex"]),
 }
-REQUIRED = {"/v1/completions": "prompt", "/v1/chat/completions": "messages", "/v1/embeddings": "input"}
+REQUIRED = {"/v1/completions": "prompt", "/v1/chat/completions": "messages", "/v1/embeddings": "input",
+            "/tokenize": "prompt", "/detokenize": "tokens"}
 
 
 def _fields(struct) -> list[str]:
@@ -165,9 +171,10 @@ junk_bodies = st.one_of(st.just(b""), st.just(b"   "), st.binary(max_size=64),
 
 
 GENERATION_ROUTES = ("/v1/chat/completions", "/v1/completions")
+TOKEN_ROUTES = ("/tokenize", "/detokenize")
 
 
-def cases(routes: tuple[str, ...] = GENERATION_ROUTES) -> st.SearchStrategy[Case]:
+def cases(routes: tuple[str, ...] = GENERATION_ROUTES + TOKEN_ROUTES) -> st.SearchStrategy[Case]:
     """Bodies for ``routes`` (/v1/embeddings only where the model is a pooling one)."""
     junk = st.builds(Case, st.sampled_from(routes), junk_bodies)
     return st.one_of(json_case(routes), json_case(routes), json_case(routes), json_case(routes), junk)

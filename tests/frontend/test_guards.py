@@ -84,6 +84,11 @@ def test_api_key_guards_v1_and_optionally_metrics_but_never_health():
                 status, _, ok = await post(s, f"{base}/v1/completions", body, {"Authorization": "Bearer s3cret"})
                 assert status == 200 and ok["choices"][0]["text"]
                 assert (await s.get(f"{base}/v1/models")).status == 401
+                for path, body, want in (("/tokenize", {"prompt": "ab"}, {"count": 2, "max_model_len": 64,
+                                                                          "tokens": [97, 98], "token_strs": None}),
+                                         ("/detokenize", {"tokens": [97, 98]}, {"prompt": "ab"})):
+                    assert (await post(s, base + path, body))[0] == 401, path
+                    assert (await post(s, base + path, body, {"Authorization": "Bearer s3cret"}))[::2] == (200, want)
                 for path in ("/health", "/ready", "/metrics"):  # open by default
                     assert (await s.get(base + path)).status == 200, path
         async with serve(FakeEngineClient(), api_key="k", api_key_protects_metrics=True) as (_, base, _):

@@ -132,7 +132,7 @@ def test_bad_bodies_are_400_with_reasons(stack):
                 (dict(prompt="x", max_tokens=0), "max_tokens"),
                 (dict(prompt="", max_tokens=3), "prompt"),
                 (dict(prompt="x", temperature=-1), "temperature"),
-                (dict(prompt="x", logit_bias={"3": 1}), "logit_bias"),
+                (dict(prompt="x", logit_bias={"3": 1, "10000000": 1}), "logit_bias"),
                 (dict(prompt=list(range(1, MAX_MODEL_LEN + 5))), "maximum context length"),
                 (dict(prompt=[1, 10**6]), "vocabulary"),
             ]

@@ -53,6 +53,30 @@ def test_replay_request_continues_from_the_streamed_tokens():
     assert replay_request(replay_request(so, [4, 5], 1), [6], 2).structured_output_prefix_tokens == [4, 5, 6]
 
 
+def test_replay_keeps_token_controls_and_bad_words_see_the_streamed_prefix():
+    """A replay resubmits the same logit_bias / allowed_token_ids / bad words; the tokens
+    streamed before the death are the replay's prompt tail, and the engine's sampler
+    counts them as output (num_prior_output_tokens), so a bad word begun before the death
+    is still cut after it."""
+    import torch
+
+    from planaria.engine.request import Request
+    from planaria.engine.sampler import Sampler
+    from planaria.engine.sampling_metadata import PRIOR_OUTPUT_TOKENS_KEY, SamplingMetadata
+
+    orig = ecr(logit_bias={5: -100.0}, allowed_token_ids=[8, 9, 11, 12], bad_words_token_ids=[[9, 8, 11]])
+    r = replay_request(orig, [9, 8], 1)
+    p = r.sampling_params
+    assert (p.logit_bias, p.allowed_token_ids, p.bad_words_token_ids) == ({5: -100.0}, [8, 9, 11, 12], [[9, 8, 11]])
+    req = Request(r.request_id, r.prompt_token_ids, p, r.eos_token_id, max_tokens=8)
+    req.extra[PRIOR_OUTPUT_TOKENS_KEY] = r.num_prior_output_tokens  # what EngineCore does
+    row = torch.zeros(1, 16)
+    row[0, 11], row[0, 12] = 5.0, 4.0
+    assert int(Sampler()(row, SamplingMetadata.build([req], 16, "cpu")).sampled_token_ids[0]) == 12
+    fresh = Request("f", list(orig.prompt_token_ids), p, 0, max_tokens=8)  # nothing streamed: 11 allowed
+    assert int(Sampler()(row, SamplingMetadata.build([fresh], 16, "cpu")).sampled_token_ids[0]) == 11
+
+
 def test_engine_death_marks_only_its_requests_and_replays_carry_on():
     clock = Clock()
     j = RequestJournal(max_replays=3, clock=clock, quarantine_after=0)  # replays alone here

@@ -7,8 +7,8 @@ import json
 import pytest
 
 from planaria.frontend.errors import RequestError
-from planaria.frontend.params import fit_max_tokens, sampling_params, structured_output
-from planaria.frontend.prompts import chat_messages, tokenize_chat, tokenize_completion
+from planaria.frontend.params import check_bad_words, fit_max_tokens, sampling_params, structured_output
+from planaria.frontend.prompts import chat_messages, tokenize_bad_words, tokenize_chat, tokenize_completion
 from planaria.frontend.protocol import decode_chat, decode_completion
 from tests.frontend._fakes import VOCAB, FakeTokenizer
 
@@ -52,6 +52,37 @@ def test_completion_every_field_converts():
     assert (p.logprobs, p.seed, p.ignore_eos, p.min_tokens, p.top_k, p.min_p) == (3, 42, True, 2, 5, 0.1)
     assert (p.repetition_penalty, p.stop_token_ids, p.skip_special_tokens, p.include_stop_str_in_output) == \
         (1.1, frozenset({3, 4}), False, True)
+
+
+def test_logit_bias_is_clamped_and_token_controls_convert():
+    body = {"prompt": "x", "logit_bias": {"5": 150, "6": -300, "7": 0.5, "08": 1}, "allowed_token_ids": [1, 2],
+            "bad_words": ["ab", " c"]}
+    req = decode_completion(json.dumps(body).encode())
+    bad = tokenize_bad_words(check_bad_words(req.bad_words), TOK)
+    assert bad == [[97, 98], [99]]  # " c" is stripped; with its space it is two tokens, not kept
+    p = sampling_params(req, vocab_size=VOCAB, bad_words_token_ids=bad)
+    assert p.logit_bias == {5: 100.0, 6: -100.0, 7: 0.5, 8: 1.0}
+    assert p.allowed_token_ids == [1, 2] and p.bad_words_token_ids == bad and p.has_logit_controls
+    with pytest.raises(ValueError, match="tokenized by the caller"):
+        sampling_params(req, vocab_size=VOCAB)
+    _, plain, _, _ = completion(logit_bias={})
+    assert plain.logit_bias is None and not plain.has_logit_controls
+
+
+class _WordTokenizer:
+    """Whole texts to fixed ids: " cat" is one token of its own, " dog" a space then "dog"."""
+
+    TABLE = {"cat": [1], " cat": [2], "dog": [3], " dog": [4, 3], "hot dog": [5, 4, 3], " hot dog": [6, 4, 3]}
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.TABLE[text]
+
+
+def test_bad_words_tokenize_as_vllm_does():
+    """Each word at the start of a text, and after a space when that is another first token
+    of the same length (vLLM's SamplingParams.update_from_tokenizer)."""
+    assert tokenize_bad_words(["cat", "  dog", "hot dog"], _WordTokenizer()) == \
+        [[1], [2], [3], [5, 4, 3], [6, 4, 3]]
 
 
 def test_nulls_mean_defaults():
@@ -143,7 +174,19 @@ COMPLETION_BAD = [
     ({"stop": ""}, "stop", "non-empty"),
     ({"presence_penalty": 3}, "presence_penalty", "[-2, 2]"),
     ({"frequency_penalty": -2.5}, "frequency_penalty", "[-2, 2]"),
-    ({"logit_bias": {"5": 10}}, "logit_bias", "not supported"),
+    ({"logit_bias": {"abc": 10}}, "logit_bias", "decimal integers"),
+    ({"logit_bias": {"-1": 10}}, "logit_bias", "decimal integers"),
+    ({"logit_bias": {"1" * 30: 10}}, "logit_bias", "decimal integers"),
+    ({"logit_bias": {"999": 10}}, "logit_bias", "outside the vocabulary"),
+    ({"logit_bias": {str(i): 1 for i in range(1025)}}, "logit_bias", "at most 1024"),
+    ({"allowed_token_ids": []}, "allowed_token_ids", "empty"),
+    ({"allowed_token_ids": [999]}, "allowed_token_ids", "outside the vocabulary"),
+    ({"allowed_token_ids": [1] * 257}, "allowed_token_ids", "at most 256"),
+    ({"allowed_token_ids": ["a"]}, "allowed_token_ids[0]", "Expected"),
+    ({"bad_words": [" "]}, "bad_words", "blank"),
+    ({"bad_words": ["x"] * 65}, "bad_words", "at most 64"),
+    ({"bad_words": ["x" * 257]}, "bad_words", "at most 256"),
+    ({"bad_words": "word"}, "bad_words", "Expected `array"),
     ({"logprobs": 21}, "logprobs", "logprobs"),
     ({"logprobs": True}, "logprobs", "Expected `int"),
     ({"seed": "x"}, "seed", "Expected"),
@@ -188,7 +231,7 @@ CHAT_BAD = [
     ({"logprobs": True, "top_logprobs": 21}, "top_logprobs", "[0, 20]"),
     ({"logprobs": 3}, "logprobs", "Expected `bool"),
     ({"max_completion_tokens": 0}, "max_completion_tokens", "at least 1"),
-    ({"logit_bias": {"1": -100}}, "logit_bias", "not supported"),
+    ({"logit_bias": {"1.5": -100}}, "logit_bias", "decimal integers"),
     ({"modalities": ["text", "audio"]}, "modalities", "text modality"),
     ({"continue_final_message": True}, "continue_final_message", "assistant"),
 ]
