@@ -10,6 +10,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import structlog
 
+from planaria.engine import prompt_logprobs
 from planaria.engine.config import EngineConfig
 from planaria.engine.core_protocol import EngineCoreProtocol
 from planaria.engine.errors import (EngineError, InvalidRequestError, KVCacheTooSmallError, WeightLoadError,
@@ -156,6 +157,8 @@ class EngineCore:
             req.extra[PRIOR_OUTPUT_TOKENS_KEY] = prior
         if params.logprobs is not None:
             req.output_logprobs = []
+        if params.prompt_logprobs is not None:
+            req.prompt_logprobs = []  # filled chunk by chunk (engine/prompt_logprobs.py)
         if ecr.structured_output is not None:  # waits as WAITING_FOR_GRAMMAR until compiled
             self.structured.submit(req, ecr.structured_output, ecr.structured_output_prefix_tokens)
         return req
@@ -307,7 +310,13 @@ class EngineCore:
             self.fail_requests(list(failed), str(result), OutputErrorCode.INVALID_REQUEST
                                if result.request_fault else OutputErrorCode.INTERNAL)
             return self._take_pending()
-        sampled, logprobs = result
+        sampled, logprobs, prompt_lps = result
+        if prompt_lps:
+            broken = [sched.scheduled[slot].req.request_id for slot, (start, entries) in prompt_lps.items()
+                      if sched.scheduled[slot].req.status == RequestStatus.RUNNING
+                      and not prompt_logprobs.accept(sched.scheduled[slot].req, start, entries)]
+            if broken:  # cannot happen while each chunk's result is applied in order
+                self.fail_requests(broken, "internal error: a chunk of prompt logprobs is missing")
         if logprobs is not None:
             for sr, lp in zip(sched.scheduled, logprobs):
                 if lp is not None and sr.req.output_logprobs is not None:
@@ -330,7 +339,8 @@ class EngineCore:
             stop_reason=req.stop_reason if reason == "stop" else None,
             new_logprobs=[lp] if lp is not None and new_tokens else None,
             num_cached_tokens=req.num_cached_tokens, error=req.error,
-            error_code=code.value if code is not None else None, weight_version=self.weight_version)
+            error_code=code.value if code is not None else None, weight_version=self.weight_version,
+            prompt_logprobs=prompt_logprobs.take(req) if new_tokens else None)  # with the first token
 
     def _poll_grammars(self) -> list[EngineCoreOutput]:
         """Compiled grammars join the waiting queue; failed ones end their request."""

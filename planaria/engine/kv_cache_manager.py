@@ -23,8 +23,11 @@ class KVCacheManager:
 
     def get_computed_blocks(self, req: Request) -> tuple[list[int], int]:
         """Longest cached prefix of full blocks. At least one token is always left to
-        compute, so the model produces logits for the next token."""
-        if not self.enable_caching:
+        compute, so the model produces logits for the next token. A request that still
+        wants prompt logprobs gets no hit (as in vLLM): a cached block's positions would
+        never run through the model, so their logprobs could not be computed. Its own
+        blocks are still offered to later requests."""
+        if not self.enable_caching or req.wants_prompt_logprobs:
             return [], 0
         hashes = hash_request_blocks(req.all_token_ids, self.block_size, req.block_hashes)
         max_blocks = (req.num_tokens - 1) // self.block_size

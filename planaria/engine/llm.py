@@ -33,6 +33,9 @@ class RequestOutput:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     logprobs: list[Logprobs] | None = None
+    # SamplingParams.prompt_logprobs, one per prompt token as in vLLM: None for the first,
+    # then Logprobs whose token_ids[0] is that prompt token
+    prompt_logprobs: list[Logprobs | None] | None = None
     num_cached_tokens: int = 0
     error: str | None = None
 
@@ -134,6 +137,8 @@ class LLM:
                 ro.num_cached_tokens = o.num_cached_tokens
                 if o.new_logprobs:
                     ro.logprobs = (ro.logprobs or []) + list(o.new_logprobs)
+                if o.prompt_logprobs is not None:
+                    ro.prompt_logprobs = [None, *o.prompt_logprobs]
                 stop_str = det.update(o.new_token_ids) if det is not None and o.new_token_ids else None
                 if stop_str is not None:
                     ro.finish_reason, ro.stop_reason = "stop", stop_str

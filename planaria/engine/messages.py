@@ -34,7 +34,8 @@ class EngineCoreRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
 
 
 class Logprobs(msgspec.Struct, array_like=True):
-    """Logprobs for one generated token: the sampled token first, then the top-n."""
+    """Logprobs for one generated token: the sampled token first, then the top-n (for a
+    prompt position: the prompt token that follows it first)."""
 
     token_ids: list[int]
     logprobs: list[float]
@@ -69,6 +70,10 @@ class EngineCoreOutput(msgspec.Struct, kw_only=True, omit_defaults=True):
     error_code: str | None = None
     weight_version: str | None = None
     pooled: list[float] | None = None  # pooling runner: the request's embedding
+    # SamplingParams.prompt_logprobs: sent once, with the request's first token. Entry i is
+    # prompt token i + 1 (token_ids[0], its rank in sampled_rank) and the top-n at that
+    # position; the first prompt token has none (len(prompt) - 1 entries).
+    prompt_logprobs: list[Logprobs] | None = None
 
     @property
     def finished(self) -> bool:

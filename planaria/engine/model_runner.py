@@ -5,14 +5,17 @@ from __future__ import annotations
 
 import mmap
 import time
+from typing import NamedTuple
 
 import structlog
 import torch
 
+from planaria.engine import prompt_logprobs
 from planaria.engine.config import EngineConfig
 from planaria.engine.dtype import choose_dtype
 from planaria.engine.errors import KVCacheTooSmallError, RequestExecutionError
 from planaria.engine.memory import MemoryProfile, device_memory_bytes, measure_peak, tune_cpu_allocator
+from planaria.engine.messages import Logprobs
 from planaria.engine.models.loader import load_model
 from planaria.engine.request import Request
 from planaria.engine.sampler import Sampler
@@ -27,6 +30,14 @@ def resolve_dtype(config: EngineConfig, device: torch.device) -> torch.dtype:
     """The compute dtype (engine/dtype.py: "auto" is bfloat16 where the CPU has AMX or
     AVX512-BF16 and on GPUs, float32 elsewhere)."""
     return choose_dtype(config.dtype, device).dtype
+
+
+class StepResult(NamedTuple):
+    """What ``ModelRunner.execute`` returns for one scheduled batch."""
+
+    sampled: list[int]  # aligned with sched.scheduled; -1 where no token is sampled
+    logprobs: list[Logprobs | None] | None  # aligned likewise; None when no row asked
+    prompt_logprobs: prompt_logprobs.StepPromptLogprobs | None  # slot -> (first position, entries)
 
 
 class ModelRunner:
@@ -116,9 +127,10 @@ class ModelRunner:
         self.kv_caches = [(kv[i, 0], kv[i, 1]) for i in range(s.num_layers)]
 
     # -- execution --------------------------------------------------------------------------
-    def execute(self, sched: SchedulerOutput):
-        """Returns (sampled: list[int] aligned with sched.scheduled (-1 where no token is
-        sampled), logprobs: list aligned likewise or None)."""
+    def execute(self, sched: SchedulerOutput) -> StepResult:
+        """Runs the batch: samples the requests whose step ends at their last known token,
+        and computes the prompt logprobs of the chunks that want them
+        (engine/prompt_logprobs.py)."""
         fault, self.fault_next_step = self.fault_next_step, None
         if fault == "fatal":
             raise RuntimeError("injected fatal fault")
@@ -142,12 +154,15 @@ class ModelRunner:
             ids.extend(s.req.all_token_ids[s.start_pos:s.start_pos + s.num_tokens])
             pos.extend(range(s.start_pos, s.start_pos + s.num_tokens))
         row = 0
+        first_rows = [0] * len(scheduled)  # flat row of each request's first token in this step
         for i in order:
             s = scheduled[i]
+            first_rows[i] = row
             row += s.num_tokens
             if s.samples:
                 logit_rows.append(row - 1)
                 sample_slots.append(i)
+        prompt_plan = prompt_logprobs.plan_rows(scheduled, first_rows)
 
         md = build_metadata(
             [scheduled[i].block_ids for i in decode_idx],
@@ -194,7 +209,10 @@ class ModelRunner:
                     logprobs = [None] * len(scheduled)
                     for j, i in enumerate(sample_slots):
                         logprobs[i] = out.logprobs[j]
-        return sampled, logprobs
+            # at most max_num_seqs logit rows at once, as many as the memory profile's
+            prompt_lps = (prompt_logprobs.compute(self.model, hidden, prompt_plan, self.config.max_num_seqs)
+                          if prompt_plan is not None else None)
+        return StepResult(sampled, logprobs, prompt_lps)
 
     def execute_dummy(self) -> None:
         """A forward over zero tokens: an idle expert-parallel rank still takes part in

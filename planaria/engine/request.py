@@ -44,7 +44,7 @@ class Request:
         "arrival_time", "priority", "status", "output_token_ids", "all_token_ids",
         "num_computed_tokens", "num_cached_tokens", "block_hashes", "max_tokens",
         "stop_reason", "error", "num_preemptions", "in_flight", "lora", "extra",
-        "output_logprobs", "structured",
+        "output_logprobs", "structured", "prompt_logprobs",
     )
 
     def __init__(
@@ -75,6 +75,9 @@ class Request:
         self.num_preemptions = 0
         self.in_flight = False  # scheduled in a batch whose output is not back yet
         self.output_logprobs: list | None = None
+        # Prompt logprobs computed so far (engine.prompt_logprobs): a list while they are
+        # still to be sent, None when not asked for or already sent with the first token.
+        self.prompt_logprobs: list | None = None
         self.structured = None  # engine.structured_output state, when used
         self.extra: dict = {}
         self.lora = None
@@ -90,6 +93,12 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Prompt logprobs are still owed: every prompt position must run through the
+        model (no prefix-cache hit may skip one)."""
+        return self.prompt_logprobs is not None
 
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

@@ -45,6 +45,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     stop_token_ids: frozenset[int] = frozenset()
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top logprobs to return per token
+    # vLLM's prompt logprobs: for each prompt position but the first, the logprob and rank
+    # of that prompt token and the top-n (EngineCoreOutput.prompt_logprobs, engine/prompt_logprobs.py)
+    prompt_logprobs: int | None = None
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -126,6 +129,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         if self.logprobs is not None:
             if not is_int(self.logprobs) or not 0 <= self.logprobs <= max_logprobs:
                 bad(f"logprobs must be an integer in [0, {max_logprobs}], got {self.logprobs!r}")
+        if self.prompt_logprobs is not None:
+            if not is_int(self.prompt_logprobs) or not 0 <= self.prompt_logprobs <= max_logprobs:
+                bad(f"prompt_logprobs must be an integer in [0, {max_logprobs}], got {self.prompt_logprobs!r}")
         if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
             bad("stop must be a list of non-empty strings")
         if not isinstance(self.stop_token_ids, frozenset) or not all(is_int(t) for t in self.stop_token_ids):

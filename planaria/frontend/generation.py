@@ -60,6 +60,8 @@ class GenerationDelta:
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
     weight_version: str | None = None  # the engine weights that produced these tokens
+    # SamplingParams.prompt_logprobs: on the delta of the first token only (entry i: prompt token i + 1)
+    prompt_logprobs: list[Logprobs] | None = None
 
 
 @dataclass
@@ -117,6 +119,8 @@ class Generator:
                                 if latency_s is not None and self._metrics is not None:
                                     self._metrics.record_replay_latency(latency_s)
                                 journal.on_tokens(rid, out.new_token_ids)
+                            if out.prompt_logprobs is not None:  # a replay does not ask again
+                                journal.on_prompt_logprobs(rid)
                             yield out
                     return
                 except NoEngineAvailableError as exc:
@@ -189,7 +193,7 @@ class Generator:
                                       logprobs=out.new_logprobs, num_prompt_tokens=num_prompt,
                                       num_output_tokens=num_output, finish_reason=finish_reason,
                                       stop_reason=stop_reason, num_cached_tokens=out.num_cached_tokens,
-                                      weight_version=out.weight_version)
+                                      weight_version=out.weight_version, prompt_logprobs=out.prompt_logprobs)
                 if finish_reason is not None:
                     break  # a stop string: closing `outs` aborts the rest in the engine
         except FrontendError:

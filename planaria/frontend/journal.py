@@ -17,6 +17,8 @@ was replayed. When an engine dies the requests it held are marked lost; for each
   journal's: the caller keeps feeding the same one, so stop strings are checked over the
   whole text and nothing is re-emitted. A structured-output request also carries the
   streamed tokens as ``structured_output_prefix_tokens``, so its grammar resumes there.
+  Prompt logprobs arrive with the first token (``on_prompt_logprobs``): a replay made
+  after that does not ask for them again, one made before any token does.
 - ``FailRequest(reason, code)``: the client gets an explicit error instead of a replay:
   ``"request_done"`` (nothing is left to do), ``"quarantined"`` (the request was in flight
   on ``quarantine_after`` engines that died, 2 by default: it is likely what kills them,
@@ -80,6 +82,7 @@ class JournalEntry:
     lost_pid: int | None = None  # the pid of the engine its current incarnation was lost with
     death_pids: list[int | None] = field(default_factory=list)  # engines counted so far
     awaiting_first_token: bool = False  # replayed, no token from the replay yet
+    prompt_logprobs_received: bool = False  # a replay must not compute them again
 
     @property
     def request_id(self) -> str:
@@ -165,6 +168,11 @@ class RequestJournal:
         entry.output_token_ids.extend(token_ids)
         entry.tokens_since_sent += len(token_ids)
 
+    def on_prompt_logprobs(self, request_id: str) -> None:
+        """The request's prompt logprobs arrived (with its first token): its replays do not
+        ask for them (their prompt also holds streamed tokens, which are no prompt)."""
+        self._entries[request_id].prompt_logprobs_received = True
+
     def on_replay_token(self, request_id: str) -> float | None:
         """Call on every output with tokens; the first after a replay returns the time from
         the loss notice to now (the replay latency), else None."""
@@ -245,19 +253,26 @@ class RequestJournal:
         entry.num_replays += 1
         self.num_replays_total += 1
         entry.awaiting_first_token = True
-        req = replay_request(entry.request, entry.output_token_ids, entry.num_replays)
+        # Prompt logprobs come with the first token: once tokens were streamed they were
+        # delivered (or never will be: the replay's prompt holds output tokens too).
+        req = replay_request(entry.request, entry.output_token_ids, entry.num_replays,
+                             with_prompt_logprobs=not (entry.prompt_logprobs_received or n))
         entry.engine_request_id = req.request_id
         return Replay(req, entry.num_replays)
 
 
-def replay_request(original: EngineCoreRequest, streamed: list[int], num_replays: int) -> EngineCoreRequest:
+def replay_request(original: EngineCoreRequest, streamed: list[int], num_replays: int,
+                   with_prompt_logprobs: bool = True) -> EngineCoreRequest:
     """``original`` continued after ``streamed``: prompt + streamed, the remaining budget,
-    the output count carried in ``num_prior_output_tokens``; a fresh request id."""
+    the output count carried in ``num_prior_output_tokens``; a fresh request id.
+    ``with_prompt_logprobs`` False: the client has the prompt logprobs already (they come
+    with the first token), so the replay does not ask for them."""
     p = original.sampling_params
     n = len(streamed)
     params = msgspec.structs.replace(
         p, max_tokens=None if p.max_tokens is None else p.max_tokens - n,
-        min_tokens=max(0, p.min_tokens - n))
+        min_tokens=max(0, p.min_tokens - n),
+        prompt_logprobs=p.prompt_logprobs if with_prompt_logprobs else None)
     extra = {}
     if original.structured_output is not None:  # the grammar consumes the prior output first
         extra["structured_output_prefix_tokens"] = (

@@ -47,9 +47,6 @@ def _reject_unsupported(req: _CommonRequest) -> None:
             raise RequestError("suffix is not supported by this server", param="suffix")
         if req.best_of is not None and req.best_of != _or(req.n, 1):
             raise RequestError(f"best_of must equal n (1), got {req.best_of}", param="best_of")
-        if req.echo and req.logprobs is not None:
-            raise RequestError("echo together with logprobs needs prompt logprobs, which this server "
-                               "does not compute", param="echo")
     if isinstance(req, ChatCompletionRequest):
         if req.tools:
             raise RequestError("tools (function calling) are not supported by this server", param="tools")
@@ -73,6 +70,25 @@ def _chat_logprobs(req: ChatCompletionRequest) -> int | None:
             raise RequestError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {req.top_logprobs}",
                                param="top_logprobs")
     return _or(req.top_logprobs, 0) if req.logprobs else None
+
+
+def _prompt_logprobs(req: _CommonRequest, logprobs: int | None, max_logprobs: int) -> int | None:
+    """The engine's ``prompt_logprobs``: vLLM's field of that name (a non-streamed
+    response's ``prompt_logprobs``; refused with ``stream`` as vLLM does), and for a
+    completion with ``echo`` and ``logprobs`` at least ``logprobs`` (the echoed prompt's
+    tokens carry logprobs too). Each view trims the engine's top-n to its own."""
+    n = req.prompt_logprobs
+    if n is not None:
+        if not 0 <= n <= max_logprobs:
+            raise RequestError(f"prompt_logprobs must be an integer in [0, {max_logprobs}], got {n}",
+                               param="prompt_logprobs")
+        if req.stream and n > 0:
+            raise RequestError("prompt_logprobs are not available when stream is true", param="prompt_logprobs")
+        if req.stream:
+            n = None  # 0 with a stream: nothing to show (vLLM accepts it too)
+    if isinstance(req, CompletionRequest) and req.echo and logprobs is not None:
+        n = max(n or 0, logprobs)  # a bad logprobs is named by validate(), which checks it first
+    return n
 
 
 def _check_sizes(stop: list[str], stop_token_ids: list[int], limits: RequestLimits) -> None:
@@ -152,6 +168,7 @@ def sampling_params(req: _CommonRequest, *, vocab_size: int | None = None, max_l
         temperature=_or(req.temperature, 1.0), top_p=_or(req.top_p, 1.0), top_k=_or(req.top_k, 0),
         min_p=_or(req.min_p, 0.0), seed=req.seed, stop=stop, stop_token_ids=frozenset(req.stop_token_ids or ()),
         ignore_eos=bool(req.ignore_eos), logprobs=logprobs,
+        prompt_logprobs=_prompt_logprobs(req, logprobs, max_logprobs),
         repetition_penalty=_or(req.repetition_penalty, 1.0),
         presence_penalty=_or(req.presence_penalty, 0.0), frequency_penalty=_or(req.frequency_penalty, 0.0),
         skip_special_tokens=_or(req.skip_special_tokens, True),

@@ -58,6 +58,7 @@ class _CommonRequest(msgspec.Struct, kw_only=True):
     bad_words: list[str] | None = None
     skip_special_tokens: bool | None = True
     include_stop_str_in_output: bool | None = False
+    prompt_logprobs: Int | None = None  # top-n per prompt position (frontend/logprobs.py)
     priority: Int | None = 0
     guided_json: str | dict[str, Any] | None = None
     guided_regex: str | None = None

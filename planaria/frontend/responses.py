@@ -3,6 +3,8 @@
 Extension field: ``weight_version`` on every completion / chat body and stream chunk, the
 version of the engine weights that produced its tokens (for a whole body: its last token;
 null before any token). It tells a rolling weight update's old and new answers apart.
+vLLM's ``prompt_logprobs`` (frontend/logprobs.py): in each completion choice of a whole
+body (frontend/choices.py adds it), at the top of a chat body; null when not asked for.
 """
 
 from __future__ import annotations
@@ -52,9 +54,11 @@ def chat_choice(index: int, text: str, logprobs: list[dict] | None, finish_reaso
 
 
 def chat_completion(response_id: str, created: int, model: str, choices: list[dict], usage_: dict,
-                    weight_version: str | None = None) -> dict:
+                    weight_version: str | None = None, prompt_logprobs: list | None = None) -> dict:
+    """``prompt_logprobs``: vLLM's field, at the top of a chat body (one prompt)."""
     return {"id": response_id, "object": "chat.completion", "created": created, "model": model,
-            "choices": choices, "usage": usage_, "weight_version": weight_version}
+            "choices": choices, "usage": usage_, "weight_version": weight_version,
+            "prompt_logprobs": prompt_logprobs}
 
 
 def chat_chunk_choice(index: int, delta: dict, logprobs: list[dict] | None = None,

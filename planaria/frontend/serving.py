@@ -2,7 +2,7 @@
 
 ``OpenAIServing`` holds what both need (tokenizer, model facts, the ``Generator``); the
 per-endpoint differences (body shapes, logprobs format, chat's role chunk) live in the
-two ``_Render`` classes. Errors raised before the first token become an HTTP error
+two renders of ``frontend.choices``. Errors raised before the first token become an HTTP error
 status even for streams (the first delta is awaited before the SSE headers go out);
 later ones become an SSE error event followed by ``[DONE]``.
 
@@ -26,9 +26,10 @@ from aiohttp import web
 from planaria.engine.messages import EngineCoreRequest
 from planaria.frontend import responses as R
 from planaria.frontend.errors import FrontendError, GatewayTimeoutError, NotFoundError
+from planaria.frontend.choices import ChatRender, Choice, CompletionRender
 from planaria.frontend.generation import GenerationDelta, Generator
 from planaria.frontend.limits import RequestLimits
-from planaria.frontend.logprobs import ChatLogprobs, CompletionLogprobs, TokenTexts, merge_completion_logprobs
+from planaria.frontend.logprobs import TokenTexts
 from planaria.frontend.params import check_bad_words, fit_max_tokens, sampling_params, structured_output
 from planaria.frontend.prompts import Prompt, tokenize_bad_words, tokenize_chat, tokenize_completion
 from planaria.frontend.protocol import ChatCompletionRequest, decode_chat, decode_completion
@@ -49,80 +50,6 @@ class ModelInfo:
     eos_token_id: int | None
     extra_eos_token_ids: list[int] = field(default_factory=list)  # generation_config's others
     max_logprobs: int = 20
-
-
-@dataclass
-class _Choice:
-    index: int
-    num_prompt_tokens: int
-    prefix: str = ""  # echo: the prompt text, sent before the first delta
-    texts: list[str] = field(default_factory=list)
-    logprobs: list = field(default_factory=list)
-    lp_builder: object = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    num_output_tokens: int = 0
-
-    def take(self, d: GenerationDelta) -> str:
-        text, self.prefix = self.prefix + d.text, ""
-        self.texts.append(text)
-        self.num_output_tokens = d.num_output_tokens
-        if d.finish_reason is not None:
-            self.finish_reason, self.stop_reason = d.finish_reason, d.stop_reason
-        return text
-
-
-class _CompletionRender:
-    chunk, body = staticmethod(R.completion_chunk), staticmethod(R.completion)
-
-    def __init__(self, choices: list[_Choice], token_text, num_top: int | None) -> None:
-        self.choices = choices
-        for c in choices:
-            if num_top is not None:
-                c.lp_builder = CompletionLogprobs(token_text, num_top, text_offset=len(c.prefix))
-
-    def first_chunks(self) -> list[list[dict]]:
-        return []
-
-    def delta(self, c: _Choice, d: GenerationDelta) -> dict | None:
-        text = c.take(d)
-        lp = c.lp_builder.add(d.logprobs or []) if c.lp_builder is not None else None
-        if lp is not None:
-            c.logprobs.append(lp)
-        if not text and d.finish_reason is None and not (lp and lp["tokens"]):
-            return None
-        return R.completion_choice(c.index, text, lp, d.finish_reason, d.stop_reason)
-
-    def final(self, c: _Choice) -> dict:
-        lp = merge_completion_logprobs(c.logprobs) if c.lp_builder is not None else None
-        return R.completion_choice(c.index, "".join(c.texts), lp, c.finish_reason, c.stop_reason)
-
-
-class _ChatRender:
-    chunk, body = staticmethod(R.chat_chunk), staticmethod(R.chat_completion)
-
-    def __init__(self, choices: list[_Choice], token_text, num_top: int | None) -> None:
-        self.choices = choices
-        for c in choices:
-            if num_top is not None:
-                c.lp_builder = ChatLogprobs(token_text, num_top)
-
-    def first_chunks(self) -> list[list[dict]]:
-        return [[R.chat_chunk_choice(c.index, {"role": "assistant", "content": ""})] for c in self.choices]
-
-    def delta(self, c: _Choice, d: GenerationDelta) -> dict | None:
-        text = c.take(d)
-        lp = c.lp_builder.add(d.logprobs or []) if c.lp_builder is not None else None
-        if lp:
-            c.logprobs.extend(lp)
-        if not text and d.finish_reason is None and not lp:
-            return None
-        delta = {"content": text} if text or d.finish_reason is None else {}
-        return R.chat_chunk_choice(c.index, delta, lp, d.finish_reason, d.stop_reason)
-
-    def final(self, c: _Choice) -> dict:
-        lp = c.logprobs if c.lp_builder is not None else None
-        return R.chat_choice(c.index, "".join(c.texts), lp, c.finish_reason, c.stop_reason)
 
 
 class OpenAIServing:
@@ -185,9 +112,10 @@ class OpenAIServing:
             self.limits.max_prompt_chars(self.max_model_len), self.limits.max_prompts)
         response_id = req.request_id or R.new_id("cmpl")
         ecrs = self._engine_requests(req, prompts, R.new_id("cmpl"), await self._bad_words(req))
-        choices = [_Choice(i, len(p.token_ids), prefix=self._echo_text(p) if req.echo else "")
-                   for i, p in enumerate(prompts)]
-        render = _CompletionRender(choices, self.token_text, req.logprobs)
+        choices = [Choice(i, len(p.token_ids), prefix=self._echo_text(p) if req.echo else "",
+                          first_prompt_token=p.token_ids[0]) for i, p in enumerate(prompts)]
+        render = CompletionRender(choices, self.token_text, req.logprobs, echo=bool(req.echo),
+                                  num_prompt_top=None if req.stream else req.prompt_logprobs)
         return await self._serve(request, req, ecrs, render, response_id, deadline)
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
@@ -198,8 +126,9 @@ class OpenAIServing:
                                          self.limits.max_prompt_chars(self.max_model_len))
         response_id = req.request_id or R.new_id("chatcmpl")
         ecrs = self._engine_requests(req, [prompt], R.new_id("chatcmpl"), await self._bad_words(req))
-        choices = [_Choice(0, len(prompt.token_ids))]
-        render = _ChatRender(choices, self.token_text, ecrs[0].sampling_params.logprobs)
+        choices = [Choice(0, len(prompt.token_ids))]
+        render = ChatRender(choices, self.token_text, ecrs[0].sampling_params.logprobs,
+                            num_prompt_top=None if req.stream else req.prompt_logprobs)
         return await self._serve(request, req, ecrs, render, response_id, deadline)
 
     def _echo_text(self, p: Prompt) -> str:

@@ -152,10 +152,16 @@ def compute_logprobs(logits: torch.Tensor, sampled: torch.Tensor, rows: torch.Te
                      num_top: int) -> TokenLogprobs:
     """From log_softmax(``logits`` [N, V]) on ``rows`` [R]: the ``sampled`` [N] token's
     logprob and rank, and the ``num_top`` most likely tokens (0 <= num_top <= V)."""
+    return token_logprobs(logits.index_select(0, rows), sampled.index_select(0, rows), num_top)
+
+
+def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_top: int) -> TokenLogprobs:
+    """From log_softmax(``logits`` [R, V]), computed in float32: the logprob and rank of
+    ``token_ids`` [R] (one per row) and the ``num_top`` most likely tokens of each row."""
     if not 0 <= num_top <= logits.shape[1]:
         raise ValueError(f"num_top must be in [0, {logits.shape[1]}], got {num_top}")
-    lp = logits.index_select(0, rows).log_softmax(dim=-1)  # [R, V]
-    tok = sampled.index_select(0, rows).unsqueeze(1)  # [R, 1]
+    lp = logits.float().log_softmax(dim=-1)  # [R, V]
+    tok = token_ids.unsqueeze(1)  # [R, 1]
     tok_lp = lp.gather(1, tok)  # [R, 1]
     ranks = (lp >= tok_lp).sum(dim=-1)  # [R]
     if num_top > 0:

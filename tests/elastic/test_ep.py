@@ -30,8 +30,10 @@ def _free_port() -> int:
     return port
 
 
-def _params():
-    return SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+def _params(i: int):
+    # every third asks for prompt logprobs: computed on its rank alone, outside the collectives
+    return SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True,
+                          prompt_logprobs=2 if i % 3 == 0 else None)
 
 
 def _rank_main(rank, model, world_sizes, port, result_q):
@@ -60,7 +62,7 @@ def _rank_main(rank, model, world_sizes, port, result_q):
         ep.form()
         for i, p in enumerate(_prompts()):
             if i % w0 == rank:
-                core.add_request(EngineCoreRequest(request_id=str(i), prompt_token_ids=p, sampling_params=_params()))
+                core.add_request(EngineCoreRequest(request_id=str(i), prompt_token_ids=p, sampling_params=_params(i)))
     else:  # joins at epoch 1
         core = make_ep_core(config, spec(1, rank, world_sizes[1]))
         ep = EPRank(core, spec(1, rank, world_sizes[1]))
@@ -76,6 +78,8 @@ def _rank_main(rank, model, world_sizes, port, result_q):
         outs, _ = core.step(force_forward=True)
         for o in outs:
             got.setdefault(o.request_id, []).extend(o.new_token_ids)
+            if o.prompt_logprobs is not None:
+                got[f"{o.request_id}:prompt"] = [lp.logprobs[0] for lp in o.prompt_logprobs]
         steps += 1
         if steps == 4 and len(world_sizes) > 1 and rank < w0:
             ep.pending = spec(1, rank, world_sizes[1])
@@ -114,19 +118,32 @@ def reference(tiny_moe):
 
     core = EngineCore(EngineConfig(model=tiny_moe, kv_cache_bytes=32 * 2**20, max_num_seqs=8))
     for i, p in enumerate(_prompts()):
-        core.add_request(EngineCoreRequest(request_id=str(i), prompt_token_ids=p, sampling_params=_params()))
+        core.add_request(EngineCoreRequest(request_id=str(i), prompt_token_ids=p, sampling_params=_params(i)))
     got: dict[str, list[int]] = {}
     while core.has_unfinished_requests():
         for o in core.step()[0]:
             got.setdefault(o.request_id, []).extend(o.new_token_ids)
+            if o.prompt_logprobs is not None:
+                got[f"{o.request_id}:prompt"] = [lp.logprobs[0] for lp in o.prompt_logprobs]
     return got
 
 
+def _assert_same(got: dict, reference: dict) -> None:
+    """Tokens equal; prompt logprobs equal up to float32 reduction order (experts summed
+    across ranks)."""
+    assert got.keys() == reference.keys() and sum(k.endswith(":prompt") for k in got) == 4
+    for key, want in reference.items():
+        if key.endswith(":prompt"):
+            assert got[key] == pytest.approx(want, abs=1e-4), key
+        else:
+            assert got[key] == want, key
+
+
 def test_ep_two_ranks_equals_single_engine(tiny_moe, reference):
-    assert _run(tiny_moe, [2]) == reference
+    _assert_same(_run(tiny_moe, [2]), reference)
 
 
 @pytest.mark.slow  # make test-all (the default suite stays within CI's time; see README)
 def test_ep_switch_two_to_three_keeps_outputs(tiny_moe, reference):
     # Ranks 0-1 start at epoch 0; rank 2 joins at epoch 1 (world 3); experts re-homed.
-    assert _run(tiny_moe, [2, 3]) == reference
+    _assert_same(_run(tiny_moe, [2, 3]), reference)

@@ -10,7 +10,7 @@ import msgspec
 import pytest
 
 from planaria.engine.errors import EngineDeadError, NoEngineAvailableError
-from planaria.engine.messages import EngineCoreOutput, EngineCoreRequest
+from planaria.engine.messages import EngineCoreOutput, EngineCoreRequest, Logprobs
 from planaria.engine.sampling_params import SamplingParams
 from planaria.frontend.errors import ServiceUnavailableError
 from planaria.frontend.generation import Generator
@@ -285,8 +285,11 @@ class ScriptedClient:
                 self.kill_at.pop(k)(self, engine)
                 raise EngineDeadError(engine, req.request_id, "killed by the test")
             last = k == start + p.max_tokens - 1
+            # prompt logprobs, when asked for, come with the first token (as from EngineCore)
+            plp = ([Logprobs([t], [-1.0], 1) for t in req.prompt_token_ids[1:]]
+                   if p.prompt_logprobs is not None and k == start else None)
             yield EngineCoreOutput(request_id=req.request_id, new_token_ids=[100 + k],
-                                   finish_reason="length" if last else None)
+                                   finish_reason="length" if last else None, prompt_logprobs=plp)
 
 
 class ListDetok:
@@ -340,6 +343,40 @@ def test_generator_replays_on_a_survivor_without_gaps_or_repeats():
     text = metrics.render(client.engines)
     assert "planaria_request_replays_total 2" in text and "planaria_replay_latency_seconds_count 2" in text
     assert 'planaria_request_success_total{finished_reason="length"} 1' in text
+
+
+def test_replay_request_keeps_or_drops_prompt_logprobs():
+    orig = ecr(prompt_logprobs=3, logprobs=1)
+    assert replay_request(orig, [], 1).sampling_params.prompt_logprobs == 3
+    dropped = replay_request(orig, [9], 1, with_prompt_logprobs=False).sampling_params
+    assert dropped.prompt_logprobs is None and dropped.logprobs == 1
+
+
+def test_a_replay_after_the_prompt_logprobs_arrived_does_not_ask_again():
+    """They come with the first token: a death after it replays without them (the client has
+    them, and the replay's prompt holds output tokens); the client sees them once."""
+    def kill(client, engine):
+        client.lose(engine)
+    client = ScriptedClient(kill_at={3: kill})
+    gen = Generator(client, ListDetok, journal=RequestJournal(quarantine_after=0))
+    deltas = collect(gen, ecr(max_tokens=6, prompt_logprobs=2))
+    assert [t for d in deltas for t in d.token_ids] == [100 + k for k in range(6)]
+    got = [d.prompt_logprobs for d in deltas if d.prompt_logprobs is not None]
+    assert len(got) == 1 and [e.token_ids[0] for e in got[0]] == [2, 3]  # prompt tokens 1..P-1
+    assert deltas[0].prompt_logprobs is got[0]
+    assert [r.sampling_params.prompt_logprobs for r in client.submitted] == [2, None]
+
+
+def test_a_replay_before_any_token_asks_for_the_prompt_logprobs_again():
+    def kill(client, engine):
+        client.lose(engine)
+    client = ScriptedClient(kill_at={0: kill})
+    gen = Generator(client, ListDetok, journal=RequestJournal(quarantine_after=0))
+    deltas = collect(gen, ecr(max_tokens=4, prompt_logprobs=1))
+    assert [r.sampling_params.prompt_logprobs for r in client.submitted] == [1, 1]
+    assert client.submitted[1].prompt_token_ids == [1, 2, 3]
+    assert [e.token_ids[0] for e in deltas[0].prompt_logprobs] == [2, 3]
+    assert sum(d.prompt_logprobs is not None for d in deltas) == 1
 
 
 def test_a_replay_onto_an_engine_killed_at_the_same_moment_is_not_quarantined():

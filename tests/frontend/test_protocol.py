@@ -127,6 +127,20 @@ def test_chat_logprobs_false_means_none_and_true_means_zero_top():
     assert chat(logprobs=True)[1].logprobs == 0
 
 
+def test_prompt_logprobs_from_the_field_and_from_echo_with_logprobs():
+    assert completion()[1].prompt_logprobs is None
+    assert completion(logprobs=2)[1].prompt_logprobs is None  # no echo: generated tokens only
+    assert completion(echo=True)[1].prompt_logprobs is None  # echo without logprobs
+    assert completion(echo=True, logprobs=3)[1].prompt_logprobs == 3
+    assert completion(echo=True, logprobs=0)[1].prompt_logprobs == 0
+    assert completion(echo=True, logprobs=2, prompt_logprobs=5)[1].prompt_logprobs == 5  # the larger
+    assert completion(echo=True, logprobs=4, prompt_logprobs=1)[1].prompt_logprobs == 4
+    assert completion(echo=True, logprobs=2, stream=True)[1].prompt_logprobs == 2  # streamed echo: allowed
+    assert completion(prompt_logprobs=0, stream=True)[1].prompt_logprobs is None  # as vLLM: 0 passes, shows nothing
+    assert chat(prompt_logprobs=2)[1].prompt_logprobs == 2
+    assert chat(echo=True, logprobs=True, top_logprobs=2)[1].prompt_logprobs is None  # echo is a completions thing
+
+
 def test_fit_max_tokens_caps_and_rejects():
     _, p, _, _ = completion(max_tokens=50, min_tokens=40)
     fitted = fit_max_tokens(p, 20, 32)
@@ -191,7 +205,10 @@ COMPLETION_BAD = [
     ({"logprobs": True}, "logprobs", "Expected `int"),
     ({"seed": "x"}, "seed", "Expected"),
     ({"suffix": "tail"}, "suffix", "not supported"),
-    ({"echo": True, "logprobs": 1}, "echo", "prompt logprobs"),
+    ({"prompt_logprobs": 21}, "prompt_logprobs", "[0, 20]"),
+    ({"prompt_logprobs": -1}, "prompt_logprobs", "[0, 20]"),
+    ({"prompt_logprobs": 1, "stream": True}, "prompt_logprobs", "stream is true"),
+    ({"echo": True, "logprobs": 21}, "logprobs", "[0, 20]"),
     ({"stream_options": {"include_usage": True}}, "stream_options", "stream is true"),
     ({"top_k": -2}, "top_k", "top_k"),
     ({"min_p": 2}, "min_p", "[0, 1]"),
@@ -234,6 +251,8 @@ CHAT_BAD = [
     ({"logit_bias": {"1.5": -100}}, "logit_bias", "decimal integers"),
     ({"modalities": ["text", "audio"]}, "modalities", "text modality"),
     ({"continue_final_message": True}, "continue_final_message", "assistant"),
+    ({"prompt_logprobs": 1, "stream": True}, "prompt_logprobs", "stream is true"),
+    ({"prompt_logprobs": True}, "prompt_logprobs", "Expected `int"),
 ]
 
 

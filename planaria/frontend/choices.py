@@ -1,0 +1,127 @@
+"""One response's choices, as the two generation endpoints render them: ``Choice`` collects
+a choice's deltas; ``CompletionRender`` and ``ChatRender`` turn each ``GenerationDelta``
+into a stream chunk's choice and, at the end, into the whole body's. Pure: no sockets.
+
+Logprobs (frontend/logprobs.py): a completion with ``echo`` and ``logprobs`` shows the
+prompt's tokens first (their logprobs come with the first token's delta); vLLM's
+``prompt_logprobs`` field sits in each completion choice, and at the top of a chat body
+(a chat has one prompt), as vLLM places them; it is null when not asked for.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from planaria.frontend import responses as R
+from planaria.frontend.generation import GenerationDelta
+from planaria.frontend.logprobs import ChatLogprobs, CompletionLogprobs, merge_completion_logprobs, prompt_logprobs
+
+
+@dataclass
+class Choice:
+    index: int
+    num_prompt_tokens: int
+    prefix: str = ""  # echo: the prompt text, sent before the first delta
+    first_prompt_token: int = 0  # echo with logprobs: the token that has no logprob
+    texts: list[str] = field(default_factory=list)
+    logprobs: list = field(default_factory=list)
+    lp_builder: object = None
+    prompt_logprobs: list | None = None  # vLLM's field, from the first delta
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_output_tokens: int = 0
+
+    def take(self, d: GenerationDelta) -> str:
+        text, self.prefix = self.prefix + d.text, ""
+        self.texts.append(text)
+        self.num_output_tokens = d.num_output_tokens
+        if d.finish_reason is not None:
+            self.finish_reason, self.stop_reason = d.finish_reason, d.stop_reason
+        return text
+
+
+class _Render:
+    def __init__(self, choices: list[Choice], token_text, num_prompt_top: int | None) -> None:
+        self.choices = choices
+        self.token_text = token_text
+        self.num_prompt_top = num_prompt_top  # vLLM's prompt_logprobs field; None: not shown
+
+    def _take_prompt_logprobs(self, c: Choice, d: GenerationDelta) -> None:
+        if d.prompt_logprobs is not None and self.num_prompt_top is not None:
+            c.prompt_logprobs = prompt_logprobs(self.token_text, d.prompt_logprobs, self.num_prompt_top)
+
+
+class CompletionRender(_Render):
+    chunk = staticmethod(R.completion_chunk)
+
+    def __init__(self, choices: list[Choice], token_text, num_top: int | None, *, echo: bool = False,
+                 num_prompt_top: int | None = None) -> None:
+        super().__init__(choices, token_text, num_prompt_top)
+        # echo with logprobs: the prompt's tokens carry logprobs too, offsets count from 0
+        self.echo_logprobs = echo and num_top is not None
+        for c in choices:
+            if num_top is not None:
+                offset = 0 if self.echo_logprobs else len(c.prefix)
+                c.lp_builder = CompletionLogprobs(token_text, num_top, text_offset=offset)
+
+    def first_chunks(self) -> list[list[dict]]:
+        return []
+
+    def delta(self, c: Choice, d: GenerationDelta) -> dict | None:
+        text = c.take(d)
+        self._take_prompt_logprobs(c, d)
+        lp = None
+        if c.lp_builder is not None:
+            parts = []  # the echoed prompt's first (its offsets come first)
+            if self.echo_logprobs and d.prompt_logprobs is not None:
+                parts.append(c.lp_builder.add_prompt(c.first_prompt_token, d.prompt_logprobs))
+            parts.append(c.lp_builder.add(d.logprobs or []))
+            lp = merge_completion_logprobs(parts) if len(parts) > 1 else parts[0]
+            c.logprobs.append(lp)
+        if not text and d.finish_reason is None and not (lp and lp["tokens"]):
+            return None
+        return R.completion_choice(c.index, text, lp, d.finish_reason, d.stop_reason)
+
+    def final(self, c: Choice) -> dict:
+        lp = merge_completion_logprobs(c.logprobs) if c.lp_builder is not None else None
+        choice = R.completion_choice(c.index, "".join(c.texts), lp, c.finish_reason, c.stop_reason)
+        choice["prompt_logprobs"] = c.prompt_logprobs
+        return choice
+
+    def body(self, response_id: str, created: int, model: str, choices: list[dict], usage: dict,
+             weight_version: str | None) -> dict:
+        return R.completion(response_id, created, model, choices, usage, weight_version)
+
+
+class ChatRender(_Render):
+    chunk = staticmethod(R.chat_chunk)
+
+    def __init__(self, choices: list[Choice], token_text, num_top: int | None, *,
+                 num_prompt_top: int | None = None) -> None:
+        super().__init__(choices, token_text, num_prompt_top)
+        for c in choices:
+            if num_top is not None:
+                c.lp_builder = ChatLogprobs(token_text, num_top)
+
+    def first_chunks(self) -> list[list[dict]]:
+        return [[R.chat_chunk_choice(c.index, {"role": "assistant", "content": ""})] for c in self.choices]
+
+    def delta(self, c: Choice, d: GenerationDelta) -> dict | None:
+        text = c.take(d)
+        self._take_prompt_logprobs(c, d)
+        lp = c.lp_builder.add(d.logprobs or []) if c.lp_builder is not None else None
+        if lp:
+            c.logprobs.extend(lp)
+        if not text and d.finish_reason is None and not lp:
+            return None
+        delta = {"content": text} if text or d.finish_reason is None else {}
+        return R.chat_chunk_choice(c.index, delta, lp, d.finish_reason, d.stop_reason)
+
+    def final(self, c: Choice) -> dict:
+        lp = c.logprobs if c.lp_builder is not None else None
+        return R.chat_choice(c.index, "".join(c.texts), lp, c.finish_reason, c.stop_reason)
+
+    def body(self, response_id: str, created: int, model: str, choices: list[dict], usage: dict,
+             weight_version: str | None) -> dict:
+        return R.chat_completion(response_id, created, model, choices, usage, weight_version,
+                                 prompt_logprobs=self.choices[0].prompt_logprobs if self.choices else None)
