@@ -42,6 +42,11 @@ class LockedEncoder:
     def apply_chat_template(self, messages, **kwargs) -> Any:
         return self._tokenizer.apply_chat_template(messages, **kwargs)
 
+    @property
+    def chat_template(self) -> str | dict | None:
+        """The template's source (frontend/tool_prompts.py asks whether it knows tools)."""
+        return self._tokenizer.chat_template
+
 
 class PromptRenderer:
     def __init__(self, tokenizer, timeout_s: float = 20.0, threads: int = 4) -> None:

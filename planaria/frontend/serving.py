@@ -2,9 +2,10 @@
 
 ``OpenAIServing`` holds what both need (tokenizer, model facts, the ``Generator``); the
 per-endpoint differences (body shapes, logprobs format, chat's role chunk) live in the
-two ``_Render`` classes. Errors raised before the first token become an HTTP error
-status even for streams (the first delta is awaited before the SSE headers go out);
-later ones become an SSE error event followed by ``[DONE]``.
+two ``_Render`` classes. With tools in effect (frontend/tools.py) a chat choice reads tool
+calls out of its text as it streams (frontend/tool_calls.py). Errors raised before the
+first token become an HTTP error status even for streams (the first delta is awaited
+before the SSE headers go out); later ones become an SSE error event followed by ``[DONE]``.
 
 Prompts are rendered and tokenized off the event loop (``frontend.render``). Every
 request has a deadline, ``request_timeout_s`` after it arrived: past it the engine
@@ -33,6 +34,10 @@ from planaria.frontend.params import fit_max_tokens, sampling_params, structured
 from planaria.frontend.prompts import Prompt, tokenize_chat, tokenize_completion
 from planaria.frontend.protocol import ChatCompletionRequest, decode_chat, decode_completion
 from planaria.frontend.render import PromptRenderer
+from planaria.frontend.tool_calls import ToolCallOutput
+from planaria.frontend.tool_calls import finish_reason as tool_finish_reason
+from planaria.frontend.tool_parsers import get_tool_parser
+from planaria.frontend.tools import ToolPlan, tool_plan
 
 DEFAULT_REQUEST_TIMEOUT_S = 600.0
 
@@ -62,6 +67,7 @@ class _Choice:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_output_tokens: int = 0
+    tool_calls: ToolCallOutput | None = None  # chat with tools in effect: reads calls from the text
 
     def take(self, d: GenerationDelta) -> str:
         text, self.prefix = self.prefix + d.text, ""
@@ -101,11 +107,14 @@ class _CompletionRender:
 class _ChatRender:
     chunk, body = staticmethod(R.chat_chunk), staticmethod(R.chat_completion)
 
-    def __init__(self, choices: list[_Choice], token_text, num_top: int | None) -> None:
+    def __init__(self, choices: list[_Choice], token_text, num_top: int | None,
+                 tool_calls: Callable[[], ToolCallOutput] | None = None) -> None:
         self.choices = choices
         for c in choices:
             if num_top is not None:
                 c.lp_builder = ChatLogprobs(token_text, num_top)
+            if tool_calls is not None:
+                c.tool_calls = tool_calls()
 
     def first_chunks(self) -> list[list[dict]]:
         return [[R.chat_chunk_choice(c.index, {"role": "assistant", "content": ""})] for c in self.choices]
@@ -115,21 +124,35 @@ class _ChatRender:
         lp = c.lp_builder.add(d.logprobs or []) if c.lp_builder is not None else None
         if lp:
             c.logprobs.extend(lp)
-        if not text and d.finish_reason is None and not lp:
+        finish = d.finish_reason
+        if c.tool_calls is not None:
+            out = c.tool_calls.feed(text, finish is not None)
+            delta = ({"content": out.content} if out.content else {}) | (
+                {"tool_calls": out.tool_calls} if out.tool_calls else {})
+            finish = tool_finish_reason(finish, c.tool_calls.num_calls)
+        else:
+            delta = {"content": text} if text or finish is None else {}
+        if not delta and finish is None and not lp:
             return None
-        delta = {"content": text} if text or d.finish_reason is None else {}
-        return R.chat_chunk_choice(c.index, delta, lp, d.finish_reason, d.stop_reason)
+        return R.chat_chunk_choice(c.index, delta, lp, finish, d.stop_reason)
 
     def final(self, c: _Choice) -> dict:
         lp = c.logprobs if c.lp_builder is not None else None
-        return R.chat_choice(c.index, "".join(c.texts), lp, c.finish_reason, c.stop_reason)
+        if c.tool_calls is None:
+            return R.chat_choice(c.index, "".join(c.texts), lp, c.finish_reason, c.stop_reason)
+        content, calls = c.tool_calls.message()  # what the deltas fed it: a stream's sum
+        return R.chat_choice(c.index, content, lp, tool_finish_reason(c.finish_reason, len(calls)),
+                             c.stop_reason, calls)
 
 
 class OpenAIServing:
     def __init__(self, generator: Generator, tokenizer, model: ModelInfo,
                  engine_max_model_len: Callable[[], int | None] = lambda: None, *,
                  limits: RequestLimits = RequestLimits(), renderer: PromptRenderer | None = None,
-                 request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S) -> None:
+                 request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S,
+                 tool_call_parser: str | None = "hermes") -> None:
+        """``tool_call_parser``: the name of the parser reading calls out of
+        ``tool_choice: "auto"`` answers (frontend/tool_parsers.py); None: "auto" is off."""
         self.generator = generator
         self.tokenizer = tokenizer
         self.model = model
@@ -138,6 +161,7 @@ class OpenAIServing:
         self.limits = limits
         self.renderer = renderer if renderer is not None else PromptRenderer(tokenizer)
         self.request_timeout_s = request_timeout_s
+        self.tool_parser = get_tool_parser(tool_call_parser) if tool_call_parser else None
 
     @property
     def max_model_len(self) -> int:
@@ -149,13 +173,14 @@ class OpenAIServing:
             raise NotFoundError(f"The model `{name}` does not exist; this server serves "
                                 f"`{self.model.name}`", param="model", code="model_not_found")
 
-    def _engine_requests(self, req, prompts: list[Prompt], base_id: str) -> list[EngineCoreRequest]:
+    def _engine_requests(self, req, prompts: list[Prompt], base_id: str,
+                         so: dict | None) -> list[EngineCoreRequest]:
+        """``so``: the structured output (the request's own, or a forced tool choice's)."""
         params = sampling_params(req, vocab_size=self.model.vocab_size, max_logprobs=self.model.max_logprobs,
                                  limits=self.limits)
         if self.model.extra_eos_token_ids and not params.ignore_eos:
             params = msgspec.structs.replace(
                 params, stop_token_ids=params.stop_token_ids | frozenset(self.model.extra_eos_token_ids))
-        so = structured_output(req)
         arrival = time.monotonic()
         out = []
         for i, p in enumerate(prompts):
@@ -178,7 +203,7 @@ class OpenAIServing:
             tokenize_completion, req.prompt, self.renderer.tokenizer, self.model.vocab_size,
             self.limits.max_prompt_chars(self.max_model_len), self.limits.max_prompts)
         response_id = req.request_id or R.new_id("cmpl")
-        ecrs = self._engine_requests(req, prompts, R.new_id("cmpl"))
+        ecrs = self._engine_requests(req, prompts, R.new_id("cmpl"), structured_output(req))
         choices = [_Choice(i, len(p.token_ids), prefix=self._echo_text(p) if req.echo else "")
                    for i, p in enumerate(prompts)]
         render = _CompletionRender(choices, self.token_text, req.logprobs)
@@ -188,12 +213,13 @@ class OpenAIServing:
         deadline = self._deadline()
         req: ChatCompletionRequest = decode_chat(await request.read())
         self._check_model(req.model)
-        prompt = await self.renderer.run(tokenize_chat, req, self.renderer.tokenizer,
-                                         self.limits.max_prompt_chars(self.max_model_len))
+        tools, prompt = await self.renderer.run(_plan_and_render, req, self.renderer.tokenizer,
+                                                self.limits.max_prompt_chars(self.max_model_len), self.tool_parser)
         response_id = req.request_id or R.new_id("chatcmpl")
-        ecrs = self._engine_requests(req, [prompt], R.new_id("chatcmpl"))
+        so = tools.structured_output(structured_output(req))
+        ecrs = self._engine_requests(req, [prompt], R.new_id("chatcmpl"), so)
         choices = [_Choice(0, len(prompt.token_ids))]
-        render = _ChatRender(choices, self.token_text, ecrs[0].sampling_params.logprobs)
+        render = _ChatRender(choices, self.token_text, ecrs[0].sampling_params.logprobs, tools.output())
         return await self._serve(request, req, ecrs, render, response_id, deadline)
 
     def _echo_text(self, p: Prompt) -> str:
@@ -298,6 +324,14 @@ class OpenAIServing:
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _plan_and_render(req: ChatCompletionRequest, tokenizer, max_chars: int | None,
+                     parser) -> tuple[ToolPlan, Prompt]:
+    """The request's tools checked (a forced choice compiles its schemas: llguidance), then
+    its prompt rendered with them: both blocking, both on the render pool."""
+    plan = tool_plan(req, parser)
+    return plan, tokenize_chat(req, tokenizer, max_chars, plan.template_tools)
 
 
 async def _sse(resp: web.StreamResponse, obj: dict) -> None:
