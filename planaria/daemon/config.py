@@ -108,6 +108,7 @@ class ServeConfig(msgspec.Struct, kw_only=True, frozen=True):
     render_timeout_s: float = 20.0
     api_key: str = ""  # empty: no key; passed to the frontend as PLANARIA_API_KEY
     api_key_protects_metrics: bool = False
+    tool_call_parser: str = "hermes"  # frontend/tool_parsers.py; "none": tool_choice "auto" is off
 
     def validate(self) -> None:
         if self.parallel not in ("replica", "ep"):
@@ -144,6 +145,11 @@ class ServeConfig(msgspec.Struct, kw_only=True, frozen=True):
             raise ConfigError(f"--max-inflight-requests must be >= 0, got {self.max_inflight_requests}")
         if self.num_standby < 0:
             raise ConfigError(f"--standby must be >= 0, got {self.num_standby}")
+        from planaria.frontend.tool_parsers import TOOL_CALL_PARSERS
+
+        if self.tool_call_parser not in (*TOOL_CALL_PARSERS, "none"):
+            raise ConfigError(f"--tool-call-parser must be one of {', '.join([*TOOL_CALL_PARSERS, 'none'])}, "
+                              f"got {self.tool_call_parser!r}")
         if self.advertise_host:
             _ip(self.advertise_host, "--advertise-host")
         if self.etcd_listen:
@@ -337,6 +343,9 @@ _FLAGS: list[tuple[str, str, Any, str]] = [
      "file's PLANARIA_API_KEY, which keep it out of ps; the frontend gets it in its environment)"),
     ("--api-key-protects-metrics", "api_key_protects_metrics", bool,
      "with an API key: /metrics and /ready need it too (default: they stay open; /health always)"),
+    ("--tool-call-parser", "tool_call_parser", str,
+     "how the frontend reads tool calls out of tool_choice \"auto\" answers: hermes "
+     "(<tool_call>{...}</tool_call>), or none to turn \"auto\" off (default hermes)"),
 ]
 
 

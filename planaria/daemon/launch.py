@@ -184,7 +184,8 @@ class Launcher:
                  "--max-inflight-requests", str(cfg.max_inflight_requests),
                  "--request-timeout-s", f"{cfg.request_timeout_s:g}",
                  "--render-timeout-s", f"{cfg.render_timeout_s:g}",
-                 "--engine-wait-s", f"{cfg.engine_wait_s:g}"]
+                 "--engine-wait-s", f"{cfg.engine_wait_s:g}",
+                 "--tool-call-parser", cfg.tool_call_parser]
         if cfg.api_key_protects_metrics:
             argv.append("--api-key-protects-metrics")
         secret = {API_KEY_ENV: cfg.api_key} if cfg.api_key else {}

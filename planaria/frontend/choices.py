@@ -6,15 +6,21 @@ Logprobs (frontend/logprobs.py): a completion with ``echo`` and ``logprobs`` sho
 prompt's tokens first (their logprobs come with the first token's delta); vLLM's
 ``prompt_logprobs`` field sits in each completion choice, and at the top of a chat body
 (a chat has one prompt), as vLLM places them; it is null when not asked for.
+
+With tools in effect (frontend/tools.py) a chat choice reads tool calls out of its text
+as it streams (frontend/tool_calls.py); the whole body is what its deltas fed it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 from planaria.frontend import responses as R
 from planaria.frontend.generation import GenerationDelta
 from planaria.frontend.logprobs import ChatLogprobs, CompletionLogprobs, merge_completion_logprobs, prompt_logprobs
+from planaria.frontend.tool_calls import ToolCallOutput
+from planaria.frontend.tool_calls import finish_reason as tool_finish_reason
 
 
 @dataclass
@@ -30,6 +36,7 @@ class Choice:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_output_tokens: int = 0
+    tool_calls: ToolCallOutput | None = None  # chat with tools in effect: reads calls from the text
 
     def take(self, d: GenerationDelta) -> str:
         text, self.prefix = self.prefix + d.text, ""
@@ -97,11 +104,14 @@ class ChatRender(_Render):
     chunk = staticmethod(R.chat_chunk)
 
     def __init__(self, choices: list[Choice], token_text, num_top: int | None, *,
-                 num_prompt_top: int | None = None) -> None:
+                 num_prompt_top: int | None = None,
+                 tool_calls: Callable[[], ToolCallOutput] | None = None) -> None:
         super().__init__(choices, token_text, num_prompt_top)
         for c in choices:
             if num_top is not None:
                 c.lp_builder = ChatLogprobs(token_text, num_top)
+            if tool_calls is not None:
+                c.tool_calls = tool_calls()
 
     def first_chunks(self) -> list[list[dict]]:
         return [[R.chat_chunk_choice(c.index, {"role": "assistant", "content": ""})] for c in self.choices]
@@ -112,14 +122,25 @@ class ChatRender(_Render):
         lp = c.lp_builder.add(d.logprobs or []) if c.lp_builder is not None else None
         if lp:
             c.logprobs.extend(lp)
-        if not text and d.finish_reason is None and not lp:
+        finish = d.finish_reason
+        if c.tool_calls is not None:
+            out = c.tool_calls.feed(text, finish is not None)
+            delta = ({"content": out.content} if out.content else {}) | (
+                {"tool_calls": out.tool_calls} if out.tool_calls else {})
+            finish = tool_finish_reason(finish, c.tool_calls.num_calls)
+        else:
+            delta = {"content": text} if text or finish is None else {}
+        if not delta and finish is None and not lp:
             return None
-        delta = {"content": text} if text or d.finish_reason is None else {}
-        return R.chat_chunk_choice(c.index, delta, lp, d.finish_reason, d.stop_reason)
+        return R.chat_chunk_choice(c.index, delta, lp, finish, d.stop_reason)
 
     def final(self, c: Choice) -> dict:
         lp = c.logprobs if c.lp_builder is not None else None
-        return R.chat_choice(c.index, "".join(c.texts), lp, c.finish_reason, c.stop_reason)
+        if c.tool_calls is None:
+            return R.chat_choice(c.index, "".join(c.texts), lp, c.finish_reason, c.stop_reason)
+        content, calls = c.tool_calls.message()  # what the deltas fed it: a stream's sum
+        return R.chat_choice(c.index, content, lp, tool_finish_reason(c.finish_reason, len(calls)),
+                             c.stop_reason, calls)
 
     def body(self, response_id: str, created: int, model: str, choices: list[dict], usage: dict,
              weight_version: str | None) -> dict:

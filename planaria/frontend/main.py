@@ -15,8 +15,9 @@ Limits and protection (defaults in brackets; docs/http_api.md has the whole list
 ``--max-body-bytes`` [4 MiB], ``--body-read-timeout-s`` [30], ``--keep-alive-timeout-s``
 [75], ``--max-connections`` [1024], ``--max-inflight-requests`` [4 x max_num_seqs x
 engines], ``--request-timeout-s`` [600], ``--engine-wait-s`` [30], ``--render-timeout-s`` [20] and
-``--render-threads`` [4]. ``--api-key`` (better: the environment variable
-``PLANARIA_API_KEY``, which ``planaria serve`` uses, so the key is not in ``ps``) makes
+``--render-threads`` [4]. ``--tool-call-parser`` [hermes] reads tool calls out of
+``tool_choice: "auto"`` answers (frontend/tool_parsers.py). ``--api-key`` (better: the
+environment variable ``PLANARIA_API_KEY``, which ``planaria serve`` uses, so the key is not in ``ps``) makes
 every /v1/* route need ``Authorization: Bearer <key>``; ``--api-key-protects-metrics``
 extends that to /metrics and /ready. /health is always open.
 """
@@ -35,6 +36,7 @@ import msgspec
 from aiohttp import web
 
 from planaria.frontend.limits import ServerLimits
+from planaria.frontend.tool_parsers import DEFAULT_TOOL_CALL_PARSER, TOOL_CALL_PARSERS
 
 log = logging.getLogger("frontend")
 
@@ -97,6 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "prefer the variable: a flag shows in ps)")
     p.add_argument("--api-key-protects-metrics", action="store_true",
                    help="with an API key: /metrics and /ready need it too (default: they are open)")
+    p.add_argument("--tool-call-parser", default=DEFAULT_TOOL_CALL_PARSER, choices=[*TOOL_CALL_PARSERS, "none"],
+                   help=f"how tool calls are read from tool_choice \"auto\" answers; none: \"auto\" is off "
+                        f"(default {DEFAULT_TOOL_CALL_PARSER})")
     return p
 
 
@@ -152,7 +157,7 @@ async def serve(args: argparse.Namespace) -> int:
                           engine_config=engine_config)
     limits = server_limits(args)
     server = create_server(client, args.model, args.served_model_name, args.max_model_len, args.max_logprobs,
-                           limits)
+                           limits, tool_call_parser=None if args.tool_call_parser == "none" else args.tool_call_parser)
     await client.start(wait_ready=False)
     from planaria.frontend.admin import AdminSocket, EngineAdmin
 

@@ -1,7 +1,7 @@
 """Request struct -> what the engine gets: SamplingParams, structured output, priority.
 
 Pure: no tokenizer, no sockets. ``sampling_params(req, vocab_size=, max_logprobs=)`` rejects
-what this server does not support (``suffix``, ``tools`` ...) and every bad value with a
+what this server does not support (``suffix``, audio ...) and every bad value with a
 ``RequestError`` naming the field; ``fit_max_tokens`` applies the context limit once the
 prompt length is known (vLLM's rule: a prompt that leaves no room for one generated token
 is an error, otherwise max_tokens is capped to the room left).
@@ -48,14 +48,6 @@ def _reject_unsupported(req: _CommonRequest) -> None:
         if req.best_of is not None and req.best_of != _or(req.n, 1):
             raise RequestError(f"best_of must equal n (1), got {req.best_of}", param="best_of")
     if isinstance(req, ChatCompletionRequest):
-        if req.tools:
-            raise RequestError("tools (function calling) are not supported by this server", param="tools")
-        if req.functions:
-            raise RequestError("functions (function calling) are not supported by this server",
-                               param="functions")
-        if req.tool_choice not in (None, "none", "auto"):
-            raise RequestError("tool_choice needs tools, which this server does not support",
-                               param="tool_choice")
         if req.modalities and any(m != "text" for m in req.modalities):
             raise RequestError("only the text modality is supported", param="modalities")
         if req.audio is not None:

@@ -15,11 +15,13 @@ These functions block (Jinja, the tokenizer): the server runs them off its event
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any
 
 from planaria.frontend.errors import RequestError
 from planaria.frontend.protocol import ChatCompletionRequest
+from planaria.frontend.tool_prompts import assistant_tool_calls, hermes_messages, template_knows_tools
 
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 # chat_template_kwargs a client may set (each a bool); vLLM passes any, including its own
@@ -119,6 +121,11 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict]:
             msg["name"] = m.name
         if m.tool_call_id is not None:
             msg["tool_call_id"] = m.tool_call_id
+        if m.tool_calls:
+            if m.role != "assistant":
+                raise RequestError(f"messages[{i}].tool_calls: only assistant messages make tool calls",
+                                   param=f"messages[{i}].tool_calls")
+            msg["tool_calls"] = assistant_tool_calls(m.tool_calls, f"messages[{i}].tool_calls")
         out.append(msg)
     return out
 
@@ -142,17 +149,24 @@ def chat_template_kwargs(req: ChatCompletionRequest) -> dict[str, bool]:
 
 
 def tokenize_chat(req: ChatCompletionRequest, tokenizer, max_chars: int | None = None,
-                  add_special_tokens: bool = False) -> Prompt:
-    """The rendered chat prompt; ``add_special_tokens`` adds the tokenizer's BOS etc. on top
-    of the template's own (False for generation, as vLLM: the template writes them)."""
+                  tools: list[dict] | None = None, add_special_tokens: bool = False) -> Prompt:
+    """The chat prompt, rendered with ``tools`` (frontend/tools.py checked them) and the
+    tool messages as frontend/tool_prompts.py says; ``add_special_tokens`` adds the
+    tokenizer's BOS etc. on top of the template's own (False for generation, as vLLM: the
+    template writes them)."""
     kwargs = chat_template_kwargs(req)
     messages = chat_messages(req)
     if kwargs["continue_final_message"] and messages[-1]["role"] != "assistant":
         raise RequestError("continue_final_message needs the last message to be the assistant's",
                            param="continue_final_message")
-    check_chars("".join(m["content"] for m in messages), max_chars, "messages")
+    tools_text = json.dumps(tools) if tools else ""
+    check_chars("".join(m["content"] for m in messages) + tools_text, max_chars, "messages")
+    uses_tools = bool(tools) or any(m["role"] == "tool" or "tool_calls" in m for m in messages)
+    if uses_tools and not template_knows_tools(tokenizer.chat_template):
+        messages, tools = hermes_messages(messages, tools), None
+    extra = {"tools": tools} if tools else {}
     try:
-        text = tokenizer.apply_chat_template(messages, tokenize=False, **kwargs)
+        text = tokenizer.apply_chat_template(messages, tokenize=False, **kwargs, **extra)
     except Exception as exc:  # jinja raises anything (raise_exception in templates, TypeError)
         raise RequestError(f"the chat template could not render these messages: {exc}",
                            param="messages") from exc

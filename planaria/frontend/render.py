@@ -50,6 +50,11 @@ class LockedEncoder:
         with self._lock:
             return list(self._tokenizer.convert_ids_to_tokens(token_ids))
 
+    @property
+    def chat_template(self) -> str | dict | None:
+        """The template's source (frontend/tool_prompts.py asks whether it knows tools)."""
+        return self._tokenizer.chat_template
+
 
 class PromptRenderer:
     def __init__(self, tokenizer, timeout_s: float = 20.0, threads: int = 4) -> None:

@@ -46,9 +46,9 @@ def completion_chunk(response_id: str, created: int, model: str, choices: list[d
 
 
 # -- /v1/chat/completions ----------------------------------------------------------------
-def chat_choice(index: int, text: str, logprobs: list[dict] | None, finish_reason: str | None,
-                stop_reason: int | str | None = None) -> dict:
-    return {"index": index, "message": {"role": "assistant", "content": text, "tool_calls": []},
+def chat_choice(index: int, text: str | None, logprobs: list[dict] | None, finish_reason: str | None,
+                stop_reason: int | str | None = None, tool_calls: list[dict] | None = None) -> dict:
+    return {"index": index, "message": {"role": "assistant", "content": text, "tool_calls": tool_calls or []},
             "logprobs": None if logprobs is None else {"content": logprobs, "refusal": None},
             "finish_reason": finish_reason, "stop_reason": stop_reason}
 

@@ -210,7 +210,8 @@ def load_model_info(model_dir: str | Path, tokenizer, served_model_name: str | N
 def create_server(client, model_dir: str | Path, served_model_name: str | None = None,
                   max_model_len: int | None = None, max_logprobs: int = 20,
                   limits: ServerLimits = ServerLimits(),
-                  request_limits: RequestLimits = RequestLimits()) -> FrontendServer:
+                  request_limits: RequestLimits = RequestLimits(),
+                  tool_call_parser: str | None = "hermes") -> FrontendServer:
     """The real collaborators, built in one place: HF tokenizer, incremental detokenizer."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers import AutoTokenizer
@@ -230,7 +231,8 @@ def create_server(client, model_dir: str | Path, served_model_name: str | None =
 
     renderer = PromptRenderer(tokenizer, limits.render_timeout_s, limits.render_threads)
     serving = OpenAIServing(generator, tokenizer, model, engine_max_model_len, limits=request_limits,
-                            renderer=renderer, request_timeout_s=limits.request_timeout_s)
+                            renderer=renderer, request_timeout_s=limits.request_timeout_s,
+                            tool_call_parser=tool_call_parser)
     server = FrontendServer(client, serving, metrics, limits)
     from planaria.frontend.admin import EngineAdmin
 

@@ -2,9 +2,11 @@
 
 ``OpenAIServing`` holds what both need (tokenizer, model facts, the ``Generator``); the
 per-endpoint differences (body shapes, logprobs format, chat's role chunk) live in the
-two renders of ``frontend.choices``. Errors raised before the first token become an HTTP error
-status even for streams (the first delta is awaited before the SSE headers go out);
-later ones become an SSE error event followed by ``[DONE]``.
+two renders of ``frontend.choices``. With tools in effect (frontend/tools.py) a chat choice
+reads tool calls out of its text as it streams (frontend/tool_calls.py). Errors raised
+before the first token become an HTTP error status even for streams (the first delta is
+awaited before the SSE headers go out); later ones become an SSE error event followed by
+``[DONE]``.
 
 Prompts are rendered and tokenized off the event loop (``frontend.render``). Every
 request has a deadline, ``request_timeout_s`` after it arrived: past it the engine
@@ -34,6 +36,8 @@ from planaria.frontend.params import check_bad_words, fit_max_tokens, sampling_p
 from planaria.frontend.prompts import Prompt, tokenize_bad_words, tokenize_chat, tokenize_completion
 from planaria.frontend.protocol import ChatCompletionRequest, decode_chat, decode_completion
 from planaria.frontend.render import PromptRenderer
+from planaria.frontend.tool_parsers import get_tool_parser
+from planaria.frontend.tools import ToolPlan, tool_plan
 
 DEFAULT_REQUEST_TIMEOUT_S = 600.0
 
@@ -56,7 +60,10 @@ class OpenAIServing:
     def __init__(self, generator: Generator, tokenizer, model: ModelInfo,
                  engine_max_model_len: Callable[[], int | None] = lambda: None, *,
                  limits: RequestLimits = RequestLimits(), renderer: PromptRenderer | None = None,
-                 request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S) -> None:
+                 request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S,
+                 tool_call_parser: str | None = "hermes") -> None:
+        """``tool_call_parser``: the name of the parser reading calls out of
+        ``tool_choice: "auto"`` answers (frontend/tool_parsers.py); None: "auto" is off."""
         self.generator = generator
         self.tokenizer = tokenizer
         self.model = model
@@ -65,6 +72,7 @@ class OpenAIServing:
         self.limits = limits
         self.renderer = renderer if renderer is not None else PromptRenderer(tokenizer)
         self.request_timeout_s = request_timeout_s
+        self.tool_parser = get_tool_parser(tool_call_parser) if tool_call_parser else None
 
     @property
     def max_model_len(self) -> int:
@@ -81,14 +89,14 @@ class OpenAIServing:
         words = check_bad_words(req.bad_words, self.limits)
         return await self.renderer.run(tokenize_bad_words, words, self.renderer.tokenizer) if words else None
 
-    def _engine_requests(self, req, prompts: list[Prompt], base_id: str,
+    def _engine_requests(self, req, prompts: list[Prompt], base_id: str, so: dict | None,
                          bad_words_token_ids: list[list[int]] | None = None) -> list[EngineCoreRequest]:
+        """``so``: the structured output (the request's own, or a forced tool choice's)."""
         params = sampling_params(req, vocab_size=self.model.vocab_size, max_logprobs=self.model.max_logprobs,
                                  limits=self.limits, bad_words_token_ids=bad_words_token_ids)
         if self.model.extra_eos_token_ids and not params.ignore_eos:
             params = msgspec.structs.replace(
                 params, stop_token_ids=params.stop_token_ids | frozenset(self.model.extra_eos_token_ids))
-        so = structured_output(req)
         arrival = time.monotonic()
         out = []
         for i, p in enumerate(prompts):
@@ -111,7 +119,8 @@ class OpenAIServing:
             tokenize_completion, req.prompt, self.renderer.tokenizer, self.model.vocab_size,
             self.limits.max_prompt_chars(self.max_model_len), self.limits.max_prompts)
         response_id = req.request_id or R.new_id("cmpl")
-        ecrs = self._engine_requests(req, prompts, R.new_id("cmpl"), await self._bad_words(req))
+        ecrs = self._engine_requests(req, prompts, R.new_id("cmpl"), structured_output(req),
+                                     await self._bad_words(req))
         choices = [Choice(i, len(p.token_ids), prefix=self._echo_text(p) if req.echo else "",
                           first_prompt_token=p.token_ids[0]) for i, p in enumerate(prompts)]
         render = CompletionRender(choices, self.token_text, req.logprobs, echo=bool(req.echo),
@@ -122,13 +131,14 @@ class OpenAIServing:
         deadline = self._deadline()
         req: ChatCompletionRequest = decode_chat(await request.read())
         self.check_model(req.model)
-        prompt = await self.renderer.run(tokenize_chat, req, self.renderer.tokenizer,
-                                         self.limits.max_prompt_chars(self.max_model_len))
+        tools, prompt = await self.renderer.run(_plan_and_render, req, self.renderer.tokenizer,
+                                                self.limits.max_prompt_chars(self.max_model_len), self.tool_parser)
         response_id = req.request_id or R.new_id("chatcmpl")
-        ecrs = self._engine_requests(req, [prompt], R.new_id("chatcmpl"), await self._bad_words(req))
+        so = tools.structured_output(structured_output(req))
+        ecrs = self._engine_requests(req, [prompt], R.new_id("chatcmpl"), so, await self._bad_words(req))
         choices = [Choice(0, len(prompt.token_ids))]
         render = ChatRender(choices, self.token_text, ecrs[0].sampling_params.logprobs,
-                            num_prompt_top=None if req.stream else req.prompt_logprobs)
+                            num_prompt_top=None if req.stream else req.prompt_logprobs, tool_calls=tools.output())
         return await self._serve(request, req, ecrs, render, response_id, deadline)
 
     def _echo_text(self, p: Prompt) -> str:
@@ -233,6 +243,14 @@ class OpenAIServing:
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _plan_and_render(req: ChatCompletionRequest, tokenizer, max_chars: int | None,
+                     parser) -> tuple[ToolPlan, Prompt]:
+    """The request's tools checked (a forced choice compiles its schemas: llguidance), then
+    its prompt rendered with them: both blocking, both on the render pool."""
+    plan = tool_plan(req, parser)
+    return plan, tokenize_chat(req, tokenizer, max_chars, plan.template_tools)
 
 
 async def _sse(resp: web.StreamResponse, obj: dict) -> None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 
+import pytest
+
 from planaria.daemon import config as config_mod
 from planaria.daemon.launch import Launcher
 from planaria.frontend.main import build_parser, server_limits
@@ -21,7 +23,7 @@ def test_flags_pass_to_the_frontend_and_the_key_only_through_its_environment(tmp
     cfg = _config(tmp_path, ["--max-inflight-requests", "7", "--request-timeout-s", "9",
                              "--max-body-bytes", "1000", "--max-connections", "11", "--body-read-timeout-s", "3",
                              "--keep-alive-timeout-s", "2", "--render-timeout-s", "4",
-                             "--engine-wait-s", "12", "--api-key-protects-metrics"],
+                             "--engine-wait-s", "12", "--api-key-protects-metrics", "--tool-call-parser", "none"],
                   {"PLANARIA_API_KEY": "k-123", "STATE_DIRECTORY": str(tmp_path)})
     assert cfg.api_key == "k-123" and cfg.api_key_protects_metrics
     launcher = Launcher(cfg, environ={"PATH": "/bin", "PLANARIA_API_KEY": "k-123"})
@@ -33,7 +35,7 @@ def test_flags_pass_to_the_frontend_and_the_key_only_through_its_environment(tmp
     assert (limits.max_inflight_requests, limits.request_timeout_s, limits.max_body_bytes, limits.max_connections,
             limits.body_read_timeout_s, limits.keep_alive_timeout_s, limits.render_timeout_s,
             limits.engine_wait_s) == (7, 9.0, 1000, 11, 3.0, 2.0, 4.0, 12.0)
-    assert limits.api_key == "k-123" and limits.api_key_protects_metrics
+    assert limits.api_key == "k-123" and limits.api_key_protects_metrics and args.tool_call_parser == "none"
 
 
 def test_defaults_no_key_and_inflight_sized_to_the_engines(tmp_path):
@@ -43,6 +45,12 @@ def test_defaults_no_key_and_inflight_sized_to_the_engines(tmp_path):
     limits = server_limits(build_parser().parse_args(spec.argv[3:]), environ=spec.env)
     assert limits.api_key is None and not limits.api_key_protects_metrics
     assert limits.max_inflight_requests == 4 * 32 * 3 and limits.max_body_bytes == 4 * 2**20
+    assert build_parser().parse_args(spec.argv[3:]).tool_call_parser == "hermes"
+
+
+def test_an_unknown_tool_call_parser_is_a_config_error(tmp_path):
+    with pytest.raises(config_mod.ConfigError, match="--tool-call-parser must be one of hermes, none"):
+        _config(tmp_path, ["--tool-call-parser", "mistral"], {"STATE_DIRECTORY": str(tmp_path)})
 
 
 def test_the_key_from_the_env_file(tmp_path):

@@ -15,6 +15,7 @@ EOS = 0
 
 class FakeTokenizer:
     eos_token_id = EOS
+    chat_template = None  # role and content only: tools are written into the messages (tool_prompts.py)
 
     def __len__(self) -> int:
         return VOCAB

@@ -125,6 +125,12 @@ SANE = {
         st.sampled_from(["enable_thinking", "add_generation_prompt", "chat_template", "tokenize"]), json_values,
         max_size=2),
     "encoding_format": st.sampled_from(["float", "base64", "hex"]),
+    "tools": st.lists(st.sampled_from([
+        {"type": "function", "function": {"name": "get_weather", "parameters": {
+            "type": "object", "properties": {"city": {"type": "string", "maxLength": 12}}, "required": ["city"]}}},
+        {"type": "function", "function": {"name": "now"}}]), max_size=2),
+    "tool_choice": st.sampled_from(["none", "auto", "required", {"type": "function", "function": {"name": "now"}}]),
+    "parallel_tool_calls": st.booleans(),
 }
 REQUIRED = {"/v1/completions": "prompt", "/v1/chat/completions": "messages", "/v1/embeddings": "input",
             "/tokenize": "prompt", "/detokenize": "tokens"}

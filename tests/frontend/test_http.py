@@ -143,7 +143,7 @@ def test_bad_bodies_are_400_with_reasons(stack):
                 assert ei.value.body["type"] == "invalid_request_error"
             with pytest.raises(openai.BadRequestError, match="tools"):
                 await c.chat.completions.create(model="tiny-moe", messages=[{"role": "user", "content": "x"}],
-                                                tools=[{"type": "function", "function": {"name": "f"}}])
+                                                tools=[{"type": "function", "function": {"name": "f g"}}])
             # max_tokens beyond the context is capped, not refused
             r = await c.completions.create(model="tiny-moe", prompt=list(range(1, MAX_MODEL_LEN - 3)),
                                            max_tokens=100, extra_body={"ignore_eos": True})

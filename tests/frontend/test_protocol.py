@@ -10,6 +10,8 @@ from planaria.frontend.errors import RequestError
 from planaria.frontend.params import check_bad_words, fit_max_tokens, sampling_params, structured_output
 from planaria.frontend.prompts import chat_messages, tokenize_bad_words, tokenize_chat, tokenize_completion
 from planaria.frontend.protocol import decode_chat, decode_completion
+from planaria.frontend.tool_parsers import HermesToolParser
+from planaria.frontend.tools import tool_plan
 from tests.frontend._fakes import VOCAB, FakeTokenizer
 
 TOK = FakeTokenizer()
@@ -28,8 +30,9 @@ def chat(**body):
     body.setdefault("model", "m")
     body.setdefault("messages", [{"role": "user", "content": "hi"}])
     req = decode_chat(json.dumps(body).encode())
+    tools = tool_plan(req, HermesToolParser())
     params = sampling_params(req, vocab_size=VOCAB)
-    prompt = tokenize_chat(req, TOK)
+    prompt = tokenize_chat(req, TOK, tools=tools.template_tools)
     return req, params, prompt, structured_output(req)
 
 
@@ -106,12 +109,14 @@ def test_chat_conversion_and_template():
     req, p, prompt, _ = chat(messages=[
         {"role": "system", "content": "be brief"},
         {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
-        {"role": "assistant", "content": None, "tool_calls": [{"id": "x"}]},
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "x", "function": {"name": "f"}}]},
         {"role": "tool", "content": "42", "tool_call_id": "x"},
         {"role": "developer", "content": "d"},
     ], max_completion_tokens=9, max_tokens=3, logprobs=True, top_logprobs=2, stop=["x", "y"])
     assert p.max_tokens == 9 and p.logprobs == 2 and p.stop == ["x", "y"]
-    assert prompt.text == "<system>be brief\n<user>a\nb\n<assistant>\n<tool>42\n<developer>d\n<assistant>"
+    # a template without tools (this one) gets calls and results written Hermes-style (tool_prompts.py)
+    assert prompt.text == ("<system>be brief\n<user>a\nb\n<assistant><tool_call>\n{\"name\": \"f\", \"arguments\": {}}\n"
+                           "</tool_call>\n<user><tool_response>\n42\n</tool_response>\n<developer>d\n<assistant>")
     assert chat_messages(req)[3] == {"role": "tool", "content": "42", "tool_call_id": "x"}
 
 
@@ -241,7 +246,7 @@ CHAT_BAD = [
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
      "messages[0].content[0]", "only text parts"),
     ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content", "Expected"),
-    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "not supported"),
+    ({"tools": [{"type": "function", "function": {"name": "f g"}}]}, "tools[0].function.name", "letters"),
     ({"functions": [{"name": "f"}]}, "functions", "not supported"),
     ({"tool_choice": "required"}, "tool_choice", "tools"),
     ({"top_logprobs": 3}, "top_logprobs", "logprobs set to true"),

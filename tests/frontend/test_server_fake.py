@@ -140,7 +140,7 @@ def test_bad_bodies_are_400_with_reasons():
                 await oai.completions.create(model="fake", prompt="x" * 64)
             with pytest.raises(openai.BadRequestError, match="tools"):
                 await oai.chat.completions.create(model="fake", messages=[{"role": "user", "content": "x"}],
-                                                  tools=[{"type": "function", "function": {"name": "f"}}])
+                                                  tools=[{"type": "function", "function": {"name": "f g"}}])
             with pytest.raises(openai.NotFoundError):
                 await oai.completions.create(model="other", prompt="x")
             async with aiohttp.ClientSession() as s:
