@@ -31,6 +31,7 @@ from typing import Any
 
 import msgspec
 
+from planaria.common.tool_parser_names import BUILTIN_TOOL_CALL_PARSERS
 from planaria.daemon.errors import DaemonError
 
 
@@ -145,10 +146,8 @@ class ServeConfig(msgspec.Struct, kw_only=True, frozen=True):
             raise ConfigError(f"--max-inflight-requests must be >= 0, got {self.max_inflight_requests}")
         if self.num_standby < 0:
             raise ConfigError(f"--standby must be >= 0, got {self.num_standby}")
-        from planaria.frontend.tool_parsers import TOOL_CALL_PARSERS
-
-        if self.tool_call_parser not in (*TOOL_CALL_PARSERS, "none"):
-            raise ConfigError(f"--tool-call-parser must be one of {', '.join([*TOOL_CALL_PARSERS, 'none'])}, "
+        if self.tool_call_parser not in (*BUILTIN_TOOL_CALL_PARSERS, "none"):
+            raise ConfigError(f"--tool-call-parser must be one of {', '.join([*BUILTIN_TOOL_CALL_PARSERS, 'none'])}, "
                               f"got {self.tool_call_parser!r}")
         if self.advertise_host:
             _ip(self.advertise_host, "--advertise-host")

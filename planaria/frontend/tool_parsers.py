@@ -26,6 +26,8 @@ import json
 from dataclasses import dataclass
 from typing import Protocol
 
+from planaria.common.tool_parser_names import DEFAULT_TOOL_CALL_PARSER
+
 
 @dataclass(frozen=True)
 class ParsedToolCall:
@@ -118,8 +120,7 @@ class HermesToolParser:
             pos = after
 
 
-TOOL_CALL_PARSERS: dict[str, type] = {"hermes": HermesToolParser}
-DEFAULT_TOOL_CALL_PARSER = "hermes"
+TOOL_CALL_PARSERS: dict[str, type] = {"hermes": HermesToolParser}  # keys: common/tool_parser_names.py
 
 
 def register_tool_parser(name: str, cls: type) -> None:

@@ -175,3 +175,12 @@ def test_registry_is_extensible():
         del TOOL_CALL_PARSERS["bracket"]
     with pytest.raises(ValueError, match="unknown tool-call parser 'bracket'; known: hermes"):
         get_tool_parser("bracket")
+
+
+def test_the_daemons_list_of_parser_names_matches_the_frontends_parsers():
+    # the daemon checks --tool-call-parser against common's list, never importing the frontend
+    from planaria.common.tool_parser_names import BUILTIN_TOOL_CALL_PARSERS, DEFAULT_TOOL_CALL_PARSER
+    from planaria.frontend.tool_parsers import TOOL_CALL_PARSERS
+
+    assert set(BUILTIN_TOOL_CALL_PARSERS) == set(TOOL_CALL_PARSERS)
+    assert DEFAULT_TOOL_CALL_PARSER in TOOL_CALL_PARSERS
