@@ -15,7 +15,9 @@ Faults: ENGINE_CORE_DEAD (from the engine, or from any sender on the PULL socket
 ``mark_engine_dead`` for the supervisor) makes every in-flight generate on that engine
 raise ``EngineDeadError``; an engine STATUS that dropped its requests raises
 ``EngineFaultError`` there. Both mean "replay elsewhere". New requests go to the
-least-loaded running engine; a restarted engine (new HELLO) is accepted again.
+least-loaded running engine; a restarted engine (new HELLO) is accepted again. Requests
+with one ``group_id`` (n > 1 siblings) go to the engine the group's first open one went
+to, while it runs, so they share its prefill (engine/prefix_groups.py).
 """
 
 from __future__ import annotations
@@ -105,11 +107,12 @@ class EngineInfo:
 
 
 class _Stream:
-    __slots__ = ("engine_index", "queue")
+    __slots__ = ("engine_index", "queue", "group_id")
 
-    def __init__(self, engine_index: int) -> None:
+    def __init__(self, engine_index: int, group_id: str | None = None) -> None:
         self.engine_index = engine_index
         self.queue: asyncio.Queue = asyncio.Queue()
+        self.group_id = group_id
 
 
 def ipc_addresses(runtime_dir: str | Path, client_index: int = 0) -> tuple[str, str]:
@@ -143,6 +146,7 @@ class EngineClient:
         # supervisor's notice after it reaped it (bounded: the newest 4096 pids)
         self.death_causes: dict[int, str] = {}
         self._streams: dict[str, _Stream] = {}
+        self._groups: dict[str, list[int]] = {}  # group_id -> [engine index, open streams]
         self._calls: dict[int, tuple[int, asyncio.Future]] = {}
         self._call_ids = itertools.count(1)
         self._rr = itertools.count()
@@ -278,6 +282,7 @@ class EngineClient:
         finally:
             if self._streams.get(rid) is stream:
                 del self._streams[rid]
+                self._leave_group(stream)
                 info = self._engines.get(stream.engine_index)
                 if info is not None:
                     info.num_in_flight -= 1
@@ -304,13 +309,35 @@ class EngineClient:
         if request.client_index != self.client_index:
             request = msgspec.structs.replace(request, client_index=self.client_index)
         tried: set[int] = set()
+        group = request.group_id
         while True:
-            index = self._pick_engine(tried)
+            index = self._group_engine(group, tried)
+            if index is None:
+                index = self._pick_engine(tried)
             tried.add(index)
             if self._send(index, MsgType.ADD, request):
-                stream = self._streams[rid] = _Stream(index)
+                stream = self._streams[rid] = _Stream(index, group)
                 self._engines[index].num_in_flight += 1
+                if group is not None:
+                    entry = self._groups.get(group)
+                    if entry is None or entry[0] != index:  # the first, or its engine failed
+                        entry = self._groups[group] = [index, 0]
+                    entry[1] += 1
                 return stream
+
+    def _group_engine(self, group: str | None, exclude: set[int]) -> int | None:
+        entry = self._groups.get(group) if group is not None else None
+        if entry is None or entry[0] in exclude:
+            return None
+        info = self._engines.get(entry[0])
+        return entry[0] if info is not None and info.healthy else None
+
+    def _leave_group(self, stream: _Stream) -> None:
+        entry = self._groups.get(stream.group_id) if stream.group_id is not None else None
+        if entry is not None and entry[0] == stream.engine_index:
+            entry[1] -= 1
+            if entry[1] <= 0:
+                del self._groups[stream.group_id]
 
     def _pick_engine(self, exclude: set[int]) -> int:
         candidates = [e for e in self._engines.values() if e.healthy and e.index not in exclude]

@@ -147,8 +147,11 @@ class EngineCore:
         params.validate(self.vocab_size, self.config.max_logprobs)
         room = self.max_model_len - len(ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        group = ecr.group_id
+        if group is not None and (not isinstance(group, str) or not 0 < len(group) <= 256):
+            raise InvalidRequestError("group_id must be a string of 1 to 256 characters")
         req = Request(rid, ids, params, ecr.eos_token_id, max_tokens,
-                      arrival_time=ecr.arrival_time or None, priority=ecr.priority)
+                      arrival_time=ecr.arrival_time or None, priority=ecr.priority, group_id=group)
         prior = ecr.num_prior_output_tokens
         if prior:
             if not isinstance(prior, int) or isinstance(prior, bool) or not 0 < prior < len(ids):
@@ -390,7 +393,8 @@ class EngineCore:
     def get_stats(self) -> SchedulerStats:
         return SchedulerStats(num_running=self.scheduler.num_running, num_waiting=self.scheduler.num_waiting,
                               kv_usage=round(self.kv.usage, 4), num_preemptions=self.scheduler.num_preemptions,
-                              prefix_cache_hit_rate=round(self.kv.prefix_cache_hit_rate, 4))
+                              prefix_cache_hit_rate=round(self.kv.prefix_cache_hit_rate, 4),
+                              num_prefill_tokens=self.scheduler.num_prefill_tokens)
 
     def config_hash(self) -> str:
         return self.config.hash() + self.model_fingerprint[:8]

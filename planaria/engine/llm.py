@@ -7,6 +7,10 @@
 
 A bad prompt or bad parameters fail that request only: its output has
 ``finish_reason == "error"`` and ``.error`` says why; the other requests complete.
+
+``SamplingParams(n=4)``: the prompt runs as 4 engine requests that share one prefill
+(``group_id``, engine/prefix_groups.py), sibling j seeded ``seed + j``; ``out.outputs``
+holds the 4 completions (``out`` itself is the first, as with n = 1).
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from planaria.engine.config import EngineConfig
 from planaria.engine.core import create_engine_core
 from planaria.engine.errors import InvalidRequestError
 from planaria.engine.messages import EngineCoreRequest, Logprobs
-from planaria.engine.sampling_params import SamplingParams
+from planaria.engine.sampling_params import SamplingParams, sibling_seed
 
 
 @dataclass
@@ -38,6 +42,7 @@ class RequestOutput:
     prompt_logprobs: list[Logprobs | None] | None = None
     num_cached_tokens: int = 0
     error: str | None = None
+    siblings: list["RequestOutput"] = field(default_factory=list)  # n > 1: completions 1..n-1
 
     @property
     def finished(self) -> bool:
@@ -45,7 +50,7 @@ class RequestOutput:
 
     @property
     def outputs(self) -> list["RequestOutput"]:  # vLLM's `out.outputs[0].text` shape
-        return [self]
+        return [self, *self.siblings]
 
 
 def load_tokenizer(model_dir: str):
@@ -117,15 +122,26 @@ class LLM:
             if self.extra_stop_ids and not params.ignore_eos:
                 engine_params = msgspec.structs.replace(
                     params, stop_token_ids=list(params.stop_token_ids) + self.extra_stop_ids)
-            try:
-                detoks[rid] = IncrementalDetokenizer(self.tokenizer, ids, params)
-            except Exception as exc:  # a detokenizer failure is this request's error only
-                outputs[rid].finish_reason, outputs[rid].error = "error", f"detokenizer: {exc}"
-                continue
-            self.core.add_request(EngineCoreRequest(
-                request_id=rid, prompt_token_ids=ids, sampling_params=engine_params,
-                eos_token_id=self.eos_token_id, priority=priority[i] if priority else 0,
-                structured_output=specs[i]))
+            n = params.n if isinstance(params.n, int) and not isinstance(params.n, bool) and 1 < params.n <= 256 \
+                else 1  # a bad n is the engine's to refuse
+            if n > 1:
+                engine_params = msgspec.structs.replace(engine_params, n=1)
+            for j in range(n):
+                crid = rid if j == 0 else f"{rid}.{j}"
+                if j:
+                    outputs[crid] = RequestOutput(crid, text, ids)
+                    outputs[rid].siblings.append(outputs[crid])
+                try:
+                    detoks[crid] = IncrementalDetokenizer(self.tokenizer, ids, params)
+                except Exception as exc:  # a detokenizer failure is this request's error only
+                    outputs[crid].finish_reason, outputs[crid].error = "error", f"detokenizer: {exc}"
+                    continue
+                self.core.add_request(EngineCoreRequest(
+                    request_id=crid, prompt_token_ids=ids, eos_token_id=self.eos_token_id,
+                    sampling_params=msgspec.structs.replace(engine_params, seed=sibling_seed(params.seed, j))
+                    if j else engine_params,
+                    priority=priority[i] if priority else 0, structured_output=specs[i],
+                    group_id=rid if n > 1 else None))
         while self.core.has_unfinished_requests():
             outs, _ = self.core.step()
             for o in outs:

@@ -31,6 +31,10 @@ class EngineCoreRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
     # produced elsewhere; seeded sampling, presence/frequency penalties and bad words count
     # them as output.
     num_prior_output_tokens: int = 0
+    # n > 1 (frontend/params.py): the sibling requests of one prompt share this id; an engine
+    # holds a sibling back until the first one's prompt is computed, so the others take its
+    # prompt's KV blocks from the prefix cache instead of prefilling again (engine/scheduler.py).
+    group_id: str | None = None
 
 
 class Logprobs(msgspec.Struct, array_like=True):
@@ -86,6 +90,9 @@ class SchedulerStats(msgspec.Struct, kw_only=True):
     kv_usage: float = 0.0  # fraction of KV blocks in use
     num_preemptions: int = 0
     prefix_cache_hit_rate: float = 0.0
+    # prompt tokens run through the model since the engine started (prefix-cache hits and
+    # recomputes after a preemption excluded): n siblings sharing one prefill add one prompt
+    num_prefill_tokens: int = 0
 
 
 class EngineCoreOutputs(msgspec.Struct, kw_only=True, omit_defaults=True):

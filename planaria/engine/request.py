@@ -12,11 +12,14 @@ class RequestStatus(str, enum.Enum):
     """Lifecycle of a request inside one engine core.
 
     WAITING -> RUNNING -> FINISHED_*; RUNNING -> PREEMPTED -> RUNNING (recompute);
-    WAITING_FOR_GRAMMAR -> WAITING once its structured-output grammar compiled.
+    WAITING_FOR_GRAMMAR -> WAITING once its structured-output grammar compiled;
+    WAITING_FOR_PREFIX -> WAITING once the first request of its group (``group_id``, n > 1)
+    has its prompt computed, so its prompt blocks are prefix-cache hits.
     """
 
     WAITING = "waiting"
     WAITING_FOR_GRAMMAR = "waiting_for_grammar"
+    WAITING_FOR_PREFIX = "waiting_for_prefix"
     RUNNING = "running"
     PREEMPTED = "preempted"
     FINISHED_STOPPED = "finished_stopped"
@@ -44,7 +47,7 @@ class Request:
         "arrival_time", "priority", "status", "output_token_ids", "all_token_ids",
         "num_computed_tokens", "num_cached_tokens", "block_hashes", "max_tokens",
         "stop_reason", "error", "num_preemptions", "in_flight", "lora", "extra",
-        "output_logprobs", "structured", "prompt_logprobs",
+        "output_logprobs", "structured", "prompt_logprobs", "group_id",
     )
 
     def __init__(
@@ -56,6 +59,7 @@ class Request:
         max_tokens: int,
         arrival_time: float | None = None,
         priority: int = 0,
+        group_id: str | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
@@ -81,6 +85,7 @@ class Request:
         self.structured = None  # engine.structured_output state, when used
         self.extra: dict = {}
         self.lora = None
+        self.group_id = group_id  # n > 1: siblings share the prompt's KV (engine/scheduler.py)
 
     @property
     def num_tokens(self) -> int:

@@ -175,3 +175,11 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
                 if not 0 < len(w) <= MAX_BAD_WORD_TOKENS:
                     bad(f"bad_words_token_ids sequences hold 1 to {MAX_BAD_WORD_TOKENS} token ids each, "
                         f"got {len(w)}")
+
+
+def sibling_seed(seed: int | None, j: int) -> int | None:
+    """n > 1: sibling ``j``'s seed is ``seed + j`` (as vLLM seeds a parent request's
+    children), wrapped into the signed 64-bit range; None stays None (unseeded)."""
+    if seed is None or j == 0:
+        return seed
+    return (seed + j + 2**63) % 2**64 - 2**63

@@ -1,5 +1,6 @@
 """vLLM v1-style scheduler: one token budget per step, running requests first, chunked
 prefill, recompute preemption, prefix-cache hits, FCFS or priority. Pure Python.
+Siblings of one prompt (``group_id``, n > 1) prefill once (engine/prefix_groups.py).
 
 ``schedule()`` decides what runs and advances ``num_computed_tokens`` optimistically (so a
 second batch can be scheduled while the first is in flight); ``update_from_output()``
@@ -13,6 +14,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from planaria.engine.kv_cache_manager import KVCacheManager
+from planaria.engine.prefix_groups import PrefixGroups
 from planaria.engine.request import Request, RequestStatus
 
 
@@ -89,6 +91,8 @@ class Scheduler:
         self.waiting = _Waiting(policy)
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.num_prefill_tokens = 0  # prompt tokens computed, first runs only (SchedulerStats)
+        self.groups = PrefixGroups()
         self.admit_new = True  # False: waiting requests that never ran stay waiting (weight swap)
 
     # -- intake ---------------------------------------------------------------------------
@@ -96,13 +100,23 @@ class Scheduler:
         self.requests[req.request_id] = req
         if req.status == RequestStatus.WAITING_FOR_GRAMMAR:
             return  # joins `waiting` when its grammar is ready (grammar_ready)
-        req.status = RequestStatus.WAITING
-        self.waiting.add(req)
+        self._enqueue(req)
 
     def grammar_ready(self, req: Request) -> None:
         if req.status == RequestStatus.WAITING_FOR_GRAMMAR:
-            req.status = RequestStatus.WAITING
+            self._enqueue(req)
+
+    def _enqueue(self, req: Request) -> None:
+        req.status = RequestStatus.WAITING
+        if not self.groups.hold(req):  # a sibling waits for its group's prefill
             self.waiting.add(req)
+
+    def _release_siblings(self) -> None:
+        """Held siblings whose leader's prompt is scheduled (or who no longer wait for it)
+        go to the front of the queue: they arrived with their leader."""
+        for req in reversed(self.groups.release()):
+            self.waiting.add_front(req)
+        self.groups.forget_finished_leaders()
 
     @property
     def num_running(self) -> int:
@@ -116,11 +130,13 @@ class Scheduler:
         return bool(self.requests)
 
     def has_schedulable_requests(self) -> bool:
+        self._release_siblings()
         return bool(self.waiting) or any(not r.in_flight for r in self.running)
 
     # -- scheduling -----------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        self._release_siblings()
         budget = self.max_num_batched_tokens
         scheduled_ids: set[str] = set()
 
@@ -154,6 +170,7 @@ class Scheduler:
             i += 1
 
         # 2. Waiting requests, if nothing was preempted this step.
+        self._release_siblings()  # a leader above may have scheduled its prompt's last chunk
         if not out.preempted_req_ids:
             while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
                 req = self.waiting.peek()
@@ -178,12 +195,16 @@ class Scheduler:
                 self._emit(out, req, num_new, blocks)
                 scheduled_ids.add(req.request_id)
                 budget -= num_new
+                if self.groups.has_waiters(req.group_id):
+                    self._release_siblings()  # into this very batch, if the budget allows
         out.num_batched_tokens = self.max_num_batched_tokens - budget
         return out
 
     def _emit(self, out: SchedulerOutput, req: Request, num_new: int, blocks: list[int]) -> None:
         start = req.num_computed_tokens
         req.num_computed_tokens += num_new
+        if not req.num_preemptions and start < req.num_prompt_tokens:
+            self.num_prefill_tokens += min(req.num_computed_tokens, req.num_prompt_tokens) - start
         samples = req.num_computed_tokens == req.num_tokens
         req.in_flight = True
         out.scheduled.append(ScheduledRequest(req, num_new, start, blocks, samples))
@@ -257,6 +278,7 @@ class Scheduler:
                 self.running.remove(req)
             elif req.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
                 self.waiting.remove(req)
+            # WAITING_FOR_PREFIX: _finish takes it out of its group's waiters
             self._finish(req, status)
             done.append(req)
         return done
@@ -266,6 +288,7 @@ class Scheduler:
             self.running.remove(req)
         req.status = status
         self.kv.free(req)
+        self.groups.remove(req)
         self.requests.pop(req.request_id, None)
 
     def stop_string_hit(self, req: Request) -> None:
