@@ -37,9 +37,13 @@ class Choice:
     stop_reason: int | str | None = None
     num_output_tokens: int = 0
     tool_calls: ToolCallOutput | None = None  # chat with tools in effect: reads calls from the text
+    counts_prompt: bool = True  # n > 1: only a prompt's first choice counts its tokens in usage
+    cumulative_logprob: float = 0.0  # of the sampled tokens, when they came with logprobs (best_of)
 
     def take(self, d: GenerationDelta) -> str:
         text, self.prefix = self.prefix + d.text, ""
+        if d.logprobs:
+            self.cumulative_logprob += sum(lp.logprobs[0] for lp in d.logprobs if lp.logprobs)
         self.texts.append(text)
         self.num_output_tokens = d.num_output_tokens
         if d.finish_reason is not None:
@@ -47,7 +51,22 @@ class Choice:
         return text
 
 
+def best_choices(choices: list[Choice], n: int, best_of: int) -> list[Choice]:
+    """``best_of > n``: of each prompt's ``best_of`` choices (consecutive), the ``n`` with
+    the highest cumulative logprob, renumbered ``i * n + rank`` (ties: the lower index)."""
+    out = []
+    for i in range(len(choices) // best_of):
+        group = choices[i * best_of:(i + 1) * best_of]
+        ranked = sorted(group, key=lambda c: (-c.cumulative_logprob, c.index))[:n]
+        for rank, c in enumerate(ranked):
+            c.index = i * n + rank
+            out.append(c)
+    return out
+
+
 class _Render:
+    best_of: tuple[int, int] | None = None  # (n, best_of) when best_of > n: the body keeps the best
+
     def __init__(self, choices: list[Choice], token_text, num_prompt_top: int | None) -> None:
         self.choices = choices
         self.token_text = token_text

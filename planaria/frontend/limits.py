@@ -18,6 +18,8 @@ Defaults, and why:
   becomes up to two token sequences, checked against the output at every step.
 - ``max_prompts`` 64 prompts in one /v1/completions batch; ``max_embedding_inputs``
   256 inputs in one /v1/embeddings call (each is one engine request).
+- ``max_n`` 16: ``n`` and ``best_of``, the choices generated per prompt (each is one
+  engine request); ``max_choices`` 128 in one request, prompts times choices.
 - ``max_chars_per_token`` 16: a text longer than 16 characters per token of the context
   (``max_model_len``) cannot fit in any tokenizer worth serving, so it is refused before
   the tokenizer runs (it would only burn CPU to be refused afterwards).
@@ -48,6 +50,8 @@ class RequestLimits:
     max_prompts: int = 64
     max_embedding_inputs: int = 256
     max_chars_per_token: int = 16
+    max_n: int = 16
+    max_choices: int = 128
 
     def max_prompt_chars(self, max_model_len: int) -> int:
         return self.max_chars_per_token * max_model_len

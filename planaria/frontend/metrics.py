@@ -169,6 +169,10 @@ class FrontendMetrics:
             ("num_requests_waiting", "Requests waiting in the engine.", lambda e: e.stats.num_waiting if e.stats else 0),
             ("kv_cache_usage_perc", "Fraction of the engine's KV blocks in use.",
              lambda e: e.stats.kv_usage if e.stats else 0.0),
+            ("engine_prefill_tokens", "Prompt tokens the engine ran through the model since it started "
+             "(prefix-cache hits and recomputes excluded).", lambda e: e.stats.num_prefill_tokens if e.stats else 0),
+            ("prefix_cache_hit_rate", "Fraction of the engine's prefix-cache block lookups that hit.",
+             lambda e: e.stats.prefix_cache_hit_rate if e.stats else 0.0),
             ("engine_healthy", "1 while the engine is running.", lambda e: 1 if e.healthy else 0),
             ("engine_last_death_timestamp_seconds", "Wall time this frontend learnt of the engine's last death.",
              lambda e: getattr(e, "died_at_s", 0.0)),

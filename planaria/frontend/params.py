@@ -13,6 +13,12 @@ to [-100, 100] as OpenAI and vLLM do, keys must be decimal token ids inside the
 vocabulary. ``bad_words`` are checked here (``check_bad_words``) and tokenized by the
 caller (``prompts.tokenize_bad_words``, it has the tokenizer), whose token sequences
 ``sampling_params`` takes as ``bad_words_token_ids``.
+
+``n`` and ``best_of`` (``num_choices``): each prompt runs as ``best_of`` (default ``n``)
+engine requests of n = 1 that share one prefill (a ``group_id``, engine/prefix_groups.py);
+with a ``seed``, sibling j samples with ``seed + j`` (as vLLM seeds its child requests), so
+every choice is reproducible and differs from its siblings. ``best_of > n`` returns the n
+with the highest cumulative logprob (not with ``stream``, as in vLLM).
 """
 
 from __future__ import annotations
@@ -45,8 +51,6 @@ def _reject_unsupported(req: _CommonRequest) -> None:
     if isinstance(req, CompletionRequest):
         if req.suffix:
             raise RequestError("suffix is not supported by this server", param="suffix")
-        if req.best_of is not None and req.best_of != _or(req.n, 1):
-            raise RequestError(f"best_of must equal n (1), got {req.best_of}", param="best_of")
     if isinstance(req, ChatCompletionRequest):
         if req.modalities and any(m != "text" for m in req.modalities):
             raise RequestError("only the text modality is supported", param="modalities")
@@ -118,6 +122,25 @@ def logit_bias(raw: dict[str, float] | None, limits: RequestLimits = RequestLimi
     return out
 
 
+def num_choices(req: _CommonRequest, num_prompts: int = 1,
+                limits: RequestLimits = RequestLimits()) -> tuple[int, int]:
+    """(n, best_of) for ``req``: choices returned and generated per prompt."""
+    n = _or(req.n, 1)
+    if not 1 <= n <= limits.max_n:
+        raise RequestError(f"n must be an integer in [1, {limits.max_n}], got {n}", param="n")
+    best_of = _or(getattr(req, "best_of", None), n)
+    if not n <= best_of <= limits.max_n:
+        raise RequestError(f"best_of must be an integer in [n, {limits.max_n}] (n = {n}), got {best_of}",
+                           param="best_of")
+    if best_of > n and req.stream:
+        raise RequestError("best_of greater than n is not supported with stream (the best are known at "
+                           "the end)", param="best_of")
+    if num_prompts * best_of > limits.max_choices:
+        raise RequestError(f"{num_prompts} prompt(s) x {best_of} choices is more than the {limits.max_choices} "
+                           "sequences one request may generate", param="best_of" if best_of > n else "n")
+    return n, best_of
+
+
 def check_bad_words(words: list[str] | None, limits: RequestLimits = RequestLimits()) -> list[str]:
     """The request's ``bad_words`` (empty when none), sizes and contents checked."""
     if not words:
@@ -156,7 +179,7 @@ def sampling_params(req: _CommonRequest, *, vocab_size: int | None = None, max_l
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     _check_sizes(stop, req.stop_token_ids or [], limits)
     params = SamplingParams(
-        n=_or(req.n, 1), max_tokens=max_tokens, min_tokens=_or(req.min_tokens, 0),
+        n=1, max_tokens=max_tokens, min_tokens=_or(req.min_tokens, 0),  # n > 1: a request per choice
         temperature=_or(req.temperature, 1.0), top_p=_or(req.top_p, 1.0), top_k=_or(req.top_k, 0),
         min_p=_or(req.min_p, 0.0), seed=req.seed, stop=stop, stop_token_ids=frozenset(req.stop_token_ids or ()),
         ignore_eos=bool(req.ignore_eos), logprobs=logprobs,

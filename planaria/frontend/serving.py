@@ -26,13 +26,14 @@ import msgspec
 from aiohttp import web
 
 from planaria.engine.messages import EngineCoreRequest
+from planaria.engine.sampling_params import sibling_seed
 from planaria.frontend import responses as R
+from planaria.frontend.choices import ChatRender, Choice, CompletionRender, best_choices
 from planaria.frontend.errors import FrontendError, GatewayTimeoutError, NotFoundError
-from planaria.frontend.choices import ChatRender, Choice, CompletionRender
 from planaria.frontend.generation import GenerationDelta, Generator
 from planaria.frontend.limits import RequestLimits
 from planaria.frontend.logprobs import TokenTexts
-from planaria.frontend.params import check_bad_words, fit_max_tokens, sampling_params, structured_output
+from planaria.frontend.params import check_bad_words, fit_max_tokens, num_choices, sampling_params, structured_output
 from planaria.frontend.prompts import Prompt, tokenize_bad_words, tokenize_chat, tokenize_completion
 from planaria.frontend.protocol import ChatCompletionRequest, decode_chat, decode_completion
 from planaria.frontend.render import PromptRenderer
@@ -91,20 +92,28 @@ class OpenAIServing:
 
     def _engine_requests(self, req, prompts: list[Prompt], base_id: str, so: dict | None,
                          bad_words_token_ids: list[list[int]] | None = None) -> list[EngineCoreRequest]:
-        """``so``: the structured output (the request's own, or a forced tool choice's)."""
+        """``so``: the structured output (the request's own, or a forced tool choice's).
+        ``best_of`` (default ``n``) engine requests per prompt, prompt i's j-th at index
+        ``i * best_of + j``; siblings share a ``group_id`` (one prefill) and seed ``seed + j``."""
+        n, best_of = num_choices(req, len(prompts), self.limits)
         params = sampling_params(req, vocab_size=self.model.vocab_size, max_logprobs=self.model.max_logprobs,
                                  limits=self.limits, bad_words_token_ids=bad_words_token_ids)
         if self.model.extra_eos_token_ids and not params.ignore_eos:
             params = msgspec.structs.replace(
                 params, stop_token_ids=params.stop_token_ids | frozenset(self.model.extra_eos_token_ids))
+        if best_of > n and params.logprobs is None:
+            params = msgspec.structs.replace(params, logprobs=0)  # ranks by the sampled tokens' logprobs
         arrival = time.monotonic()
         out = []
         for i, p in enumerate(prompts):
             fitted = fit_max_tokens(params, len(p.token_ids), self.max_model_len)
-            out.append(EngineCoreRequest(
-                request_id=f"{base_id}-{i}", prompt_token_ids=p.token_ids, sampling_params=fitted,
-                eos_token_id=self.model.eos_token_id, arrival_time=arrival, priority=req.priority or 0,
-                structured_output=so))
+            for j in range(best_of):
+                sibling = fitted if j == 0 else msgspec.structs.replace(fitted, seed=sibling_seed(fitted.seed, j))
+                out.append(EngineCoreRequest(
+                    request_id=f"{base_id}-{i * best_of + j}", prompt_token_ids=p.token_ids,
+                    sampling_params=sibling, eos_token_id=self.model.eos_token_id, arrival_time=arrival,
+                    priority=req.priority or 0, structured_output=so,
+                    group_id=f"{base_id}-{i}" if best_of > 1 else None))
         return out
 
     # -- endpoints ------------------------------------------------------------------------
@@ -121,10 +130,14 @@ class OpenAIServing:
         response_id = req.request_id or R.new_id("cmpl")
         ecrs = self._engine_requests(req, prompts, R.new_id("cmpl"), structured_output(req),
                                      await self._bad_words(req))
-        choices = [Choice(i, len(p.token_ids), prefix=self._echo_text(p) if req.echo else "",
-                          first_prompt_token=p.token_ids[0]) for i, p in enumerate(prompts)]
+        k = len(ecrs) // len(prompts)  # best_of
+        choices = [Choice(i * k + j, len(p.token_ids), prefix=self._echo_text(p) if req.echo else "",
+                          first_prompt_token=p.token_ids[0], counts_prompt=j == 0)
+                   for i, p in enumerate(prompts) for j in range(k)]
         render = CompletionRender(choices, self.token_text, req.logprobs, echo=bool(req.echo),
                                   num_prompt_top=None if req.stream else req.prompt_logprobs)
+        if k > (req.n or 1):
+            render.best_of = (req.n or 1, k)
         return await self._serve(request, req, ecrs, render, response_id, deadline)
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
@@ -136,7 +149,7 @@ class OpenAIServing:
         response_id = req.request_id or R.new_id("chatcmpl")
         so = tools.structured_output(structured_output(req))
         ecrs = self._engine_requests(req, [prompt], R.new_id("chatcmpl"), so, await self._bad_words(req))
-        choices = [Choice(0, len(prompt.token_ids))]
+        choices = [Choice(j, len(prompt.token_ids), counts_prompt=j == 0) for j in range(len(ecrs))]
         render = ChatRender(choices, self.token_text, ecrs[0].sampling_params.logprobs,
                             num_prompt_top=None if req.stream else req.prompt_logprobs, tool_calls=tools.output())
         return await self._serve(request, req, ecrs, render, response_id, deadline)
@@ -168,8 +181,9 @@ class OpenAIServing:
                     render.delta(render.choices[i], d)
                     version = d.weight_version or version
                 cs = render.choices
-                u = R.usage(sum(c.num_prompt_tokens for c in cs), sum(c.num_output_tokens for c in cs))
-                body = render.body(response_id, created, name, [render.final(c) for c in cs], u, version)
+                u = _usage(cs)  # best_of: every generated token counts, as OpenAI bills them
+                shown = best_choices(cs, *render.best_of) if render.best_of else cs
+                body = render.body(response_id, created, name, [render.final(c) for c in shown], u, version)
                 return web.json_response(body, dumps=lambda o: _json.encode(o).decode())
             first = await next_delta()  # an error before any output is still an HTTP status
             if first is not _END:
@@ -182,8 +196,7 @@ class OpenAIServing:
                 await resp.prepare(request)
 
                 def running_usage():
-                    cs = render.choices
-                    return R.usage(sum(c.num_prompt_tokens for c in cs), sum(c.num_output_tokens for c in cs))
+                    return _usage(render.choices)
 
                 for choices in render.first_chunks():
                     await _sse(resp, render.chunk(response_id, created, name, choices,
@@ -251,6 +264,12 @@ def _plan_and_render(req: ChatCompletionRequest, tokenizer, max_chars: int | Non
     its prompt rendered with them: both blocking, both on the render pool."""
     plan = tool_plan(req, parser)
     return plan, tokenize_chat(req, tokenizer, max_chars, plan.template_tools)
+
+
+def _usage(choices: list[Choice]) -> dict:
+    """A prompt counts once however many choices it has (n, best_of), as OpenAI counts it."""
+    return R.usage(sum(c.num_prompt_tokens for c in choices if c.counts_prompt),
+                   sum(c.num_output_tokens for c in choices))
 
 
 async def _sse(resp: web.StreamResponse, obj: dict) -> None:

@@ -1,9 +1,14 @@
 """A real frontend process and its engine-core processes on a free loopback port, for the
 HTTP tests: ``Stack(root, model, num_engines, engine_config)``; ``stop()`` ends each
-process by pid and returns the frontend's exit code."""
+process by pid and returns the frontend's exit code. ``serving(...)`` is the same as a
+context (ready on entry; on exit the frontend must end cleanly on SIGTERM), ``run_async``
+runs a test's coroutine with a time limit, ``openai_client`` points the official client
+at a stack."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import os
 import shutil
 import signal
@@ -86,3 +91,25 @@ class Stack:
             stop_proc(e)
         shutil.rmtree(self.runtime, ignore_errors=True)
         return code
+
+
+@contextlib.contextmanager
+def serving(root: Path, model: Path | str, num_engines: int, engine_config: dict, **kw):
+    """A ready Stack; on exit every process is stopped and the frontend must have exited 0."""
+    s = Stack(root, Path(model), num_engines, engine_config, **kw)
+    try:
+        s.wait_ready()
+        yield s
+    finally:
+        code = s.stop()
+        assert code == 0, f"frontend exited {code} on SIGTERM\n{s.log()}"
+
+
+def run_async(coro, timeout_s: float):
+    return asyncio.run(asyncio.wait_for(coro, timeout_s))
+
+
+def openai_client(stack: Stack, timeout_s: float = 60.0):
+    import openai
+
+    return openai.AsyncOpenAI(base_url=f"{stack.base}/v1", api_key="none", max_retries=0, timeout=timeout_s)

@@ -7,14 +7,13 @@ prompts prefilled over several steps (a 32-token step budget)."""
 
 from __future__ import annotations
 
-import asyncio
 import random
 
 import openai
 import pytest
 import torch
 
-from tests.frontend._stack import Stack
+from tests.frontend._stack import openai_client, run_async, serving
 
 BUDGET = 32  # max_num_batched_tokens: longer prompts are prefilled in chunks
 ENGINE_CONFIG = dict(kv_cache_bytes=16 * 2**20, max_model_len=512, max_num_seqs=8,
@@ -27,13 +26,8 @@ def stack(tmp_path_factory):
     from planaria.engine.demo_model import build_demo_model
 
     root = tmp_path_factory.mktemp("prompt-logprobs-http")
-    s = Stack(root, build_demo_model(root / "tiny-moe", "tiny-moe"), 1, ENGINE_CONFIG)
-    try:
-        s.wait_ready()
+    with serving(root, build_demo_model(root / "tiny-moe", "tiny-moe"), 1, ENGINE_CONFIG) as s:
         yield s
-    finally:
-        code = s.stop()
-        assert code == 0, f"frontend exited {code} on SIGTERM\n{s.log()}"
 
 
 @pytest.fixture(scope="module")
@@ -51,11 +45,11 @@ def hf(stack):
 
 
 def run(coro, timeout_s: float = 120.0):
-    return asyncio.run(asyncio.wait_for(coro, timeout_s))
+    return run_async(coro, timeout_s)
 
 
 def oai(stack) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=f"{stack.base}/v1", api_key="none", max_retries=0, timeout=120)
+    return openai_client(stack, 120)
 
 
 def _ids(n: int, seed: int) -> list[int]:

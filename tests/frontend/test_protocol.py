@@ -7,7 +7,7 @@ import json
 import pytest
 
 from planaria.frontend.errors import RequestError
-from planaria.frontend.params import check_bad_words, fit_max_tokens, sampling_params, structured_output
+from planaria.frontend.params import check_bad_words, fit_max_tokens, num_choices, sampling_params, structured_output
 from planaria.frontend.prompts import chat_messages, tokenize_bad_words, tokenize_chat, tokenize_completion
 from planaria.frontend.protocol import decode_chat, decode_completion
 from planaria.frontend.tool_parsers import HermesToolParser
@@ -23,6 +23,7 @@ def completion(**body):
     req = decode_completion(json.dumps(body).encode())
     params = sampling_params(req, vocab_size=VOCAB)
     prompts = tokenize_completion(req.prompt, TOK, VOCAB)
+    num_choices(req, len(prompts))
     return req, params, prompts, structured_output(req)
 
 
@@ -32,6 +33,7 @@ def chat(**body):
     req = decode_chat(json.dumps(body).encode())
     tools = tool_plan(req, HermesToolParser())
     params = sampling_params(req, vocab_size=VOCAB)
+    num_choices(req)
     prompt = tokenize_chat(req, TOK, tools=tools.template_tools)
     return req, params, prompt, structured_output(req)
 
@@ -146,6 +148,15 @@ def test_prompt_logprobs_from_the_field_and_from_echo_with_logprobs():
     assert chat(echo=True, logprobs=True, top_logprobs=2)[1].prompt_logprobs is None  # echo is a completions thing
 
 
+def test_n_and_best_of():
+    req = completion(n=4)[0]
+    assert num_choices(req, 1) == (4, 4)
+    assert num_choices(completion(n=2, best_of=5)[0], 3) == (2, 5)
+    assert num_choices(completion(best_of=3)[0]) == (1, 3)
+    assert num_choices(chat(n=3)[0]) == (3, 3)
+    assert completion(n=4)[1].n == 1  # one engine request per choice
+
+
 def test_fit_max_tokens_caps_and_rejects():
     _, p, _, _ = completion(max_tokens=50, min_tokens=40)
     fitted = fit_max_tokens(p, 20, 32)
@@ -187,8 +198,12 @@ COMPLETION_BAD = [
     ({"temperature": "hot"}, "temperature", "Expected"),
     ({"top_p": 0}, "top_p", "(0, 1]"),
     ({"top_p": 1.5}, "top_p", "(0, 1]"),
-    ({"n": 2}, "n", "n must be 1"),
-    ({"best_of": 3}, "best_of", "best_of"),
+    ({"n": 0}, "n", "n must be an integer in [1, 16]"),
+    ({"n": 17}, "n", "n must be an integer in [1, 16]"),
+    ({"n": 3, "best_of": 2}, "best_of", "[n, 16]"),
+    ({"best_of": 17}, "best_of", "[n, 16]"),
+    ({"n": 2, "best_of": 3, "stream": True}, "best_of", "not supported with stream"),
+    ({"prompt": ["a"] * 9, "n": 16}, "n", "more than the 128 sequences"),
     ({"stop": [1]}, "stop[0]", "Expected `str"),
     ({"stop": ""}, "stop", "non-empty"),
     ({"presence_penalty": 3}, "presence_penalty", "[-2, 2]"),
@@ -250,6 +265,7 @@ CHAT_BAD = [
     ({"functions": [{"name": "f"}]}, "functions", "not supported"),
     ({"tool_choice": "required"}, "tool_choice", "tools"),
     ({"top_logprobs": 3}, "top_logprobs", "logprobs set to true"),
+    ({"n": 17}, "n", "[1, 16]"),
     ({"logprobs": True, "top_logprobs": 21}, "top_logprobs", "[0, 20]"),
     ({"logprobs": 3}, "logprobs", "Expected `bool"),
     ({"max_completion_tokens": 0}, "max_completion_tokens", "at least 1"),

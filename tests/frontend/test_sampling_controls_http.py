@@ -10,13 +10,12 @@ each generated token's text) maps to an id when /tokenize gives exactly one id a
 
 from __future__ import annotations
 
-import asyncio
 
 import aiohttp
 import openai
 import pytest
 
-from tests.frontend._stack import Stack
+from tests.frontend._stack import openai_client, run_async, serving
 
 MODEL = "tiny-moe"
 MAX_MODEL_LEN = 512
@@ -32,21 +31,16 @@ def stack(tmp_path_factory):
     from planaria.engine.demo_model import build_demo_model
 
     root = tmp_path_factory.mktemp("controls-http")
-    s = Stack(root, build_demo_model(root / "tiny-moe", "tiny-moe"), 1, ENGINE_CONFIG)
-    try:
-        s.wait_ready()
+    with serving(root, build_demo_model(root / "tiny-moe", "tiny-moe"), 1, ENGINE_CONFIG) as s:
         yield s
-    finally:
-        code = s.stop()
-        assert code == 0, f"frontend exited {code} on SIGTERM\n{s.log()}"
 
 
 def run(coro, timeout_s: float = 120.0):
-    return asyncio.run(asyncio.wait_for(coro, timeout_s))
+    return run_async(coro, timeout_s)
 
 
 def oai(stack) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=f"{stack.base}/v1", api_key="none", max_retries=0, timeout=60)
+    return openai_client(stack, 60)
 
 
 async def post(stack, path: str, body) -> tuple[int, dict]:

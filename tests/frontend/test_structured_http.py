@@ -14,7 +14,7 @@ import openai
 import pytest
 
 from tests.engine.test_structured_output import SCHEMAS, validate
-from tests.frontend._stack import Stack
+from tests.frontend._stack import openai_client, run_async, serving
 
 pytest.importorskip("llguidance")
 
@@ -42,21 +42,16 @@ def stack(tmp_path_factory):
     from planaria.engine.demo_model import build_demo_model
 
     root = tmp_path_factory.mktemp("structured-http")
-    s = Stack(root, build_demo_model(root / "tiny-moe", "tiny-moe"), 1, ENGINE_CONFIG)
-    try:
-        s.wait_ready()
+    with serving(root, build_demo_model(root / "tiny-moe", "tiny-moe"), 1, ENGINE_CONFIG) as s:
         yield s
-    finally:
-        code = s.stop()
-        assert code == 0, f"frontend exited {code} on SIGTERM\n{s.log()}"
 
 
 def run(coro, timeout_s: float = 180.0):
-    return asyncio.run(asyncio.wait_for(coro, timeout_s))
+    return run_async(coro, timeout_s)
 
 
 def oai(stack) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=f"{stack.base}/v1", api_key="none", max_retries=0, timeout=120)
+    return openai_client(stack, 120)
 
 
 async def _streamed_text(stream) -> tuple[str, str | None]:
