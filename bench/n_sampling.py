@@ -1,12 +1,12 @@
 """n = 8 sampling against 8 separate requests: prefill work and output tok/s, over HTTP.
 
     .venv/bin/python -m bench.n_sampling [--model smollm2] [--n 8] [--prompt-tokens 512]
-        [--max-tokens 64] [--step-tokens 256] [--trials 3] [--json FILE]
+        [--max-tokens 64] [--step-tokens 256] [--trials 3] [--engines 1] [--json FILE]
 
-A real ``planaria serve`` (one engine, the shipped daemon: bench/serve_stack.py) on the
-real SmolLM2-135M (built into .state/models when missing). Each trial takes a fresh
-random prompt of ``--prompt-tokens`` token ids (so no trial hits another's cache) and
-runs, one after the other on the same warm server:
+A real ``planaria serve`` (``--engines``, the shipped daemon: bench/serve_stack.py) on the
+real SmolLM2-135M (built into .state/models when missing). Each trial runs, one after
+the other on the same warm server, each with a fresh random prompt of ``--prompt-tokens``
+token ids (so no run hits another's cache):
 
 - ``n=8``: one /v1/completions request with ``n: 8`` and a seed (one group: the siblings
   share the first one's prefill, engine/prefix_groups.py);
@@ -73,17 +73,17 @@ async def trial(base: str, mode: str, prompt: list[int], n: int, max_tokens: int
             "tok_s": n * max_tokens / wall_s}
 
 
-def run_server(model: Path, engine_config: dict, modes: list[str], prompts: list[list[int]], args) -> dict:
+def run_server(model: Path, engine_config: dict, modes: list[str], prompts: dict, args) -> dict:
     out: dict[str, list[dict]] = {m: [] for m in modes}
     with tempfile.TemporaryDirectory(prefix="pl-nbench-") as root:
-        stack = ServeStack(root, num_engines=1, hang_timeout_s=60.0, engine_config=engine_config, model=str(model))
+        stack = ServeStack(root, num_engines=args.engines, hang_timeout_s=60.0, engine_config=engine_config, model=str(model))
         stack.start(timeout_s=300.0)
         try:
             warm = [random.Random(99).randrange(1, 1000) for _ in range(args.prompt_tokens)]
             asyncio.run(trial(stack.base, "sep", warm, 2, 4, 0))  # first-request costs out of the way
-            for i, prompt in enumerate(prompts):
+            for i in range(args.trials):
                 for m in modes:
-                    out[m].append(asyncio.run(trial(stack.base, m, prompt, args.n, args.max_tokens, 1000 * i)))
+                    out[m].append(asyncio.run(trial(stack.base, m, prompts[m, i], args.n, args.max_tokens, 1000 * i)))
         finally:
             stack.close()
     return out
@@ -97,22 +97,25 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--step-tokens", type=int, default=256)
     ap.add_argument("--trials", type=int, default=3)
+    ap.add_argument("--engines", type=int, default=1)
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
 
     model = ensure_model(args.model)
     hi = vocab_limit(model)
-    prompts = [[random.Random(i).randrange(1, hi) for _ in range(args.prompt_tokens)] for i in range(args.trials)]
+    prompts = {(m, i): [random.Random(f"{m}{i}").randrange(1, hi) for _ in range(args.prompt_tokens)]
+               for m in ("n", "sep") for i in range(args.trials)}
     config = dict(max_model_len=args.prompt_tokens + args.max_tokens + 16, max_num_seqs=max(16, args.n),
                   max_num_batched_tokens=args.step_tokens, kv_cache_bytes=256 * 2**20)
     print(f"# CPU: {cpu_line()}")
     print(f"# model {args.model}, prompt {args.prompt_tokens} tokens, n {args.n}, {args.max_tokens} output tokens "
-          f"each, temperature 1, step budget {args.step_tokens} tokens, {args.trials} trials, medians")
+          f"each, temperature 1, step budget {args.step_tokens} tokens, {args.engines} engine(s), {args.trials} trials, "
+          "medians")
     cached = run_server(model, config, ["n", "sep"], prompts, args)
     uncached = run_server(model, {**config, "enable_prefix_caching": False}, ["sep"], prompts, args)
     rows = {"n=8" if args.n == 8 else f"n={args.n}": cached["n"], f"{args.n} requests": cached["sep"],
             f"{args.n} requests, no prefix cache": uncached["sep"]}
-    same = all(a["texts"] == b["texts"] for a, b in zip(cached["n"], cached["sep"]))
+    same = all(len(set(t["texts"])) == args.n for t in cached["n"])
     base = rows[next(iter(rows))]
     base_prefill = statistics.median(t["prefill_tokens"] for t in base)
     base_tok_s = statistics.median(t["tok_s"] for t in base)
@@ -125,7 +128,7 @@ def main() -> None:
         summary[name] = {"prefill_tokens": prefill, "tok_s": tok_s, "wall_s": wall}
         print(f"{name:34} {prefill:15.0f} {prefill / base_prefill:7.2f} {tok_s:10.1f} {tok_s / base_tok_s:7.2f} "
               f"{wall:8.2f}")
-    print(f"# n={args.n} texts equal the {args.n} seeded requests' texts: {same}")
+    print(f"# every n={args.n} request gave {args.n} different texts: {same}")
     if args.json:
         args.json.write_text(json.dumps({"cpu": cpu_line(), "args": vars(args) | {"json": str(args.json)},
                                          "summary": summary, "same_texts": same}, indent=1))
