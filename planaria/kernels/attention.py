@@ -6,6 +6,14 @@ new K/V into its slots, then attends from the cache, so a request whose prefix w
 prefix-cache hit (possibly computed earlier in this same batch) reads the same values.
 
 Batch order: decode sequences (one query token each) first, then prefill chunks.
+
+Decode in bfloat16/float16 on CPU does not go through ``scaled_dot_product_attention``:
+its CPU flash kernel, with one query row, a mask and GQA, ran 6-15x slower than two batched
+matmuls (measured on an AMD EPYC with AVX512-BF16: 6.2 ms against 0.4 ms per layer at 64
+sequences of 192 tokens, SmolLM2's 9 query and 3 KV heads), half the step's time.
+``_decode_gqa`` computes the scores per KV head for its group of query heads (no repeated
+K/V), softmax in float32, then the weighted sum. float32 and GPUs keep SDPA (the fp32
+parity tests compare against it exactly; CUDA's kernels are fast).
 """
 
 from __future__ import annotations
@@ -31,6 +39,7 @@ class AttentionMetadata:
     num_decode: int = 0  # first num_decode rows are decodes
     decode_blocks: torch.Tensor | None = None  # [B, NB] int64 block tables (0-padded)
     decode_mask: torch.Tensor | None = None  # [B, 1, 1, NB * block_size] bool (True = attend)
+    decode_bias: torch.Tensor | None = None  # decode_mask as float32 0 / -inf, made by the first layer
     prefills: list[PrefillSeq] = field(default_factory=list)
 
 
@@ -96,10 +105,13 @@ def paged_attention(
         kd = k_cache.view(-1, block_size * k_cache[0].numel()).index_select(0, blocks).view(kv_shape).transpose(1, 2)
         vd = v_cache.view(-1, block_size * v_cache[0].numel()).index_select(0, blocks).view(kv_shape).transpose(1, 2)
         # kd, vd: [B, Hkv, NB * block_size, D]
-        qd = q[:B].unsqueeze(2)  # [B, Hq, 1, D]
-        od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=md.decode_mask, scale=scale,
-                                            enable_gqa=True)  # [B, Hq, 1, D]
-        out[:B] = od.squeeze(2)
+        if q.device.type == "cpu" and q.dtype != torch.float32:
+            out[:B] = _decode_gqa(q[:B], kd, vd, md, scale)
+        else:
+            qd = q[:B].unsqueeze(2)  # [B, Hq, 1, D]
+            od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=md.decode_mask, scale=scale,
+                                                enable_gqa=True)  # [B, Hq, 1, D]
+            out[:B] = od.squeeze(2)
     for p in md.prefills:
         qs = q[p.q_start:p.q_start + p.q_len].transpose(0, 1).unsqueeze(0)  # [1, Hq, q, D]
         if p.mask is None:  # whole context is this chunk: plain causal
@@ -112,3 +124,18 @@ def paged_attention(
             o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=p.mask, scale=scale, enable_gqa=True)
         out[p.q_start:p.q_start + p.q_len] = o.squeeze(0).transpose(0, 1)
     return out
+
+
+def _decode_gqa(q: torch.Tensor, kd: torch.Tensor, vd: torch.Tensor, md: AttentionMetadata,
+                scale: float) -> torch.Tensor:
+    """One query token per sequence: q [B, Hq, D], kd/vd [B, Hkv, S, D] (strided views of
+    the gathered blocks) -> [B, Hq, D]. Query head h reads KV head h // (Hq / Hkv)."""
+    B, Hq, D = q.shape
+    Hkv = kd.shape[1]
+    if md.decode_bias is None:
+        md.decode_bias = torch.zeros(md.decode_mask.shape, dtype=torch.float32,
+                                     device=q.device).masked_fill_(~md.decode_mask, float("-inf"))
+    scores = torch.matmul(q.view(B, Hkv, Hq // Hkv, D), kd.transpose(-1, -2)).float()  # [B, Hkv, G, S]
+    scores.mul_(scale).add_(md.decode_bias)  # bias [B, 1, 1, S]
+    probs = torch.softmax(scores, dim=-1).to(q.dtype)
+    return torch.matmul(probs, vd).view(B, Hq, D)

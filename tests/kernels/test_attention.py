@@ -40,3 +40,27 @@ def test_metadata_slots_follow_the_block_tables():
     assert md.decode_mask.view(2, -1).sum(1).tolist() == [6, 3]
     assert md.decode_mask.view(2, -1)[0].tolist() == [True] * 6 + [False] * 2
     assert md.prefills[0].mask.shape == (4, 9) and md.prefills[0].slots.tolist()[:5] == [36, 37, 38, 39, 16]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("num_heads, num_kv_heads", [(4, 2), (4, 4), (8, 1), (9, 3)])
+def test_half_precision_decode_path_matches_sdpa_and_the_naive_reference(dtype, num_heads, num_kv_heads):
+    # bf16/fp16 decode rows on CPU take _decode_gqa (two matmuls, float32 softmax) instead
+    # of SDPA's CPU flash kernel; prefill rows keep SDPA. Both against float64 attention
+    # and against SDPA run on the same half-precision inputs.
+    case = attention_case(seed=num_heads * 7 + num_kv_heads, num_heads=num_heads, num_kv_heads=num_kv_heads)
+    (q, k, v, k_cache, v_cache, md), pick = attention_inputs(case, "cpu", dtype)
+    out = paged_attention(q, k, v, k_cache, v_cache, md, case.scale)
+    assert md.decode_bias is not None  # the matmul path ran
+    ref = attention_reference(case, pick)
+    torch.testing.assert_close(out.double(), ref, rtol=2e-2, atol=2e-2)
+    B = md.num_decode
+    NB = md.decode_blocks.shape[1]
+    bs = md.decode_mask.shape[-1] // NB
+    kd = k_cache.view(-1, bs, *k_cache.shape[1:]).index_select(0, md.decode_blocks.reshape(-1))
+    vd = v_cache.view(-1, bs, *v_cache.shape[1:]).index_select(0, md.decode_blocks.reshape(-1))
+    kd = kd.view(B, NB * bs, *k_cache.shape[1:]).transpose(1, 2)
+    vd = vd.view(B, NB * bs, *v_cache.shape[1:]).transpose(1, 2)
+    sdpa = torch.nn.functional.scaled_dot_product_attention(
+        q[:B].unsqueeze(2), kd, vd, attn_mask=md.decode_mask, scale=case.scale, enable_gqa=True).squeeze(2)
+    torch.testing.assert_close(out[:B].float(), sdpa.float(), rtol=1e-2, atol=1e-2)
