@@ -25,10 +25,13 @@ class RotaryEmbedding(torch.nn.Module):
         self.register_buffer("cos", (emb.cos() * scaling).to(dtype), persistent=False)
         self.register_buffer("sin", (emb.sin() * scaling).to(dtype), persistent=False)
 
+    def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) [T, 1, D] for ``positions`` [T]: once per forward, shared by every layer."""
+        return self.cos.index_select(0, positions).unsqueeze(1), self.sin.index_select(0, positions).unsqueeze(1)
+
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         # positions: [T]; q: [T, Hq, D]; k: [T, Hkv, D]
-        cos = self.cos.index_select(0, positions).unsqueeze(1)  # [T, 1, D]
-        sin = self.sin.index_select(0, positions).unsqueeze(1)
+        cos, sin = self.tables(positions)
         return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
 
 

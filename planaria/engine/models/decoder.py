@@ -21,7 +21,7 @@ from torch import nn
 from planaria.kernels.attention import AttentionMetadata, paged_attention
 from planaria.kernels.moe import grouped_expert_mlp, route
 from planaria.kernels.norm import RMSNorm
-from planaria.kernels.rotary import RotaryEmbedding
+from planaria.kernels.rotary import RotaryEmbedding, apply_rotary
 
 
 class Linear(nn.Module):
@@ -88,16 +88,20 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
         self.scale = spec.head_dim ** -0.5
 
-    def forward(self, x, positions, rotary, k_cache, v_cache, md: AttentionMetadata):
+    def forward(self, x, rope, k_cache, v_cache, md: AttentionMetadata):
+        # rope: (cos, sin) [T, 1, D] for this batch's positions (RotaryEmbedding.tables)
         T = x.shape[0]
         qkv = self.qkv(x)  # [T, q + 2kv]
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(T, self.num_heads, self.head_dim)
-        k = k.view(T, self.num_kv_heads, self.head_dim)
-        v = v.reshape(T, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotary(positions, q, k)
+        v = qkv[:, self.q_size + self.kv_size:].reshape(T, self.num_kv_heads, self.head_dim)
+        if self.q_norm is None:  # q and k side by side: one rotation for both
+            qk = apply_rotary(qkv[:, :self.q_size + self.kv_size].view(T, self.num_heads + self.num_kv_heads,
+                                                                        self.head_dim), *rope)
+            q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
+        else:
+            q, k, _ = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q = self.q_norm(q.view(T, self.num_heads, self.head_dim))
+            k = self.k_norm(k.view(T, self.num_kv_heads, self.head_dim))
+            q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         o = paged_attention(q, k, v, k_cache, v_cache, md, self.scale)  # [T, Hq, D]
         return self.o_proj(o.reshape(T, self.q_size))
 
@@ -150,8 +154,8 @@ class DecoderLayer(nn.Module):
         else:
             self.mlp = DenseMLP(spec.hidden_size, spec.intermediate_size, dtype)
 
-    def forward(self, x, positions, rotary, k_cache, v_cache, md):
-        x = x + self.attn(self.input_norm(x), positions, rotary, k_cache, v_cache, md)
+    def forward(self, x, rope, k_cache, v_cache, md):
+        x = x + self.attn(self.input_norm(x), rope, k_cache, v_cache, md)
         return x + self.mlp(self.post_norm(x))
 
 
@@ -169,8 +173,9 @@ class DecoderModel(nn.Module):
     def forward(self, input_ids, positions, kv_caches, md: AttentionMetadata):
         # input_ids, positions: [T] -> hidden [T, H]
         x = self.embed(input_ids)
+        rope = self.rotary.tables(positions)
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
-            x = layer(x, positions, self.rotary, k_cache, v_cache, md)
+            x = layer(x, rope, k_cache, v_cache, md)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, H] -> [N, V] float32
