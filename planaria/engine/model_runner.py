@@ -16,6 +16,7 @@ from planaria.engine.dtype import choose_dtype
 from planaria.engine.errors import KVCacheTooSmallError, RequestExecutionError
 from planaria.engine.memory import MemoryProfile, device_memory_bytes, measure_peak, tune_cpu_allocator
 from planaria.engine.messages import Logprobs
+from planaria.engine.models import packing
 from planaria.engine.models.loader import load_model
 from planaria.engine.request import Request
 from planaria.engine.sampler import Sampler
@@ -56,6 +57,9 @@ class ModelRunner:
         self.model, self.hf_config, self.spec, self.weights_bytes = load_model(
             config.model, self.dtype, self.device, max_model_len, expert_range, progress,
             hf_config=hf_config, timings=self.load_timings)
+        # bf16 linears on the CPU get oneDNN-packed copies, counted before the memory profile
+        self.packed_bytes = packing.pack_linears(self.model, self.device, self.dtype)
+        self.weights_bytes += self.packed_bytes
         self.load_s = time.monotonic() - t0
         self.model_dir = config.model  # where the weights in place came from (a weight swap moves it)
         self.block_size = config.block_size

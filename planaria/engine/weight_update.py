@@ -36,6 +36,7 @@ import structlog
 import torch
 
 from planaria.engine.errors import EngineError, WeightLoadError
+from planaria.engine.models import packing
 
 log = structlog.get_logger("planaria.engine.weights")
 
@@ -210,6 +211,7 @@ def apply(runner, load: WeightLoad) -> None:
     with torch.no_grad():
         for name, p in runner.model.named_parameters():
             p.copy_(load.tensors[name])
+    packing.repack(runner.model)  # packed bf16 linears follow their new weights
     load.tensors = {}
     load.state = "applied"
     runner.model_dir = load.model_dir  # expert re-homing reads from here from now on

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from planaria.engine.models import packing
 from planaria.kernels.attention import AttentionMetadata, paged_attention
 from planaria.kernels.moe import grouped_expert_mlp, route
 from planaria.kernels.norm import RMSNorm
@@ -34,8 +35,11 @@ class Linear(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
+        self.packed: torch.Tensor | None = None  # oneDNN-packed weight (engine/models/packing.py)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
+        if self.packed is not None:
+            return packing.linear(x, self.packed, self.bias)
         return F.linear(x, self.weight, self.bias)
 
 
@@ -169,6 +173,7 @@ class DecoderModel(nn.Module):
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.lm_head = None if spec.tie_word_embeddings else Linear(spec.hidden_size, spec.vocab_size, bias=False, dtype=dtype)
         self.rotary = rotary  # cos/sin tables up to max_positions, computed (not loaded)
+        self.lm_head_packed: torch.Tensor | None = None  # engine/models/packing.py
 
     def forward(self, input_ids, positions, kv_caches, md: AttentionMetadata):
         # input_ids, positions: [T] -> hidden [T, H]
@@ -178,6 +183,10 @@ class DecoderModel(nn.Module):
             x = layer(x, rope, k_cache, v_cache, md)
         return self.norm(x)
 
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.embed.weight if self.lm_head is None else self.lm_head.weight
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, H] -> [N, V] float32
-        w = self.embed.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, w).float()
+        if self.lm_head_packed is not None:
+            return packing.linear(hidden, self.lm_head_packed, None).float()
+        return F.linear(hidden, self.lm_head_weight()).float()

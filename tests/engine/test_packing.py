@@ -1,0 +1,75 @@
+"""oneDNN-packed bf16 linears (engine/models/packing.py): the same results as F.linear, bit
+for bit; counted in the weights; off for float32 and by the environment switch; a weight
+swap in bf16 re-packs, so the engine then generates the new checkpoint's tokens."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from planaria.engine.config import EngineConfig
+from planaria.engine.core import EngineCore
+from planaria.engine.messages import EngineCoreRequest
+from planaria.engine.models import packing
+from planaria.engine.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.skipif(not packing.available(torch.device("cpu"), torch.bfloat16),
+                                reason="no oneDNN in this torch build")
+CPU = torch.device("cpu")
+
+
+def test_packed_linear_equals_f_linear_bit_for_bit():
+    g = torch.Generator().manual_seed(0)
+    for n, k, bias in ((960, 576, False), (64, 48, True), (3, 7, True)):
+        w = torch.randn(n, k, generator=g).to(torch.bfloat16)
+        b = torch.randn(n, generator=g).to(torch.bfloat16) if bias else None
+        p = packing.pack(w)
+        for m in (1, 5, 64):
+            x = torch.randn(m, k, generator=g).to(torch.bfloat16)
+            assert torch.equal(packing.linear(x, p, b), F.linear(x, w, b))
+
+
+def test_only_bf16_on_cpu_and_the_switch_turns_it_off(monkeypatch):
+    assert not packing.available(CPU, torch.float32)
+    assert not packing.available(torch.device("meta"), torch.bfloat16)
+    monkeypatch.setenv(packing.ENV, "0")
+    assert not packing.available(CPU, torch.bfloat16)
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    from planaria.engine.demo_model import build_demo_model
+
+    root = tmp_path_factory.mktemp("packing")
+    return {name: str(build_demo_model(root / name, "tiny-moe", seed=seed)) for name, seed in (("a", 0), ("b", 1))}
+
+
+def _greedy(core: EngineCore, rid: str) -> list[int]:
+    core.add_request(EngineCoreRequest(request_id=rid, prompt_token_ids=list(range(5, 21)),
+                                       sampling_params=SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)))
+    out = []
+    while core.has_unfinished_requests():
+        for o in core.step()[0]:
+            out += o.new_token_ids
+    return out
+
+
+def _core(model: str, monkeypatch, packed: bool) -> EngineCore:
+    monkeypatch.setenv(packing.ENV, "1" if packed else "0")
+    return EngineCore(EngineConfig(model=model, num_kv_blocks=64, max_model_len=256, dtype="bfloat16"))
+
+
+def test_bf16_engine_packs_and_a_weight_swap_repacks(ckpts, monkeypatch):
+    core = _core(ckpts["a"], monkeypatch, packed=True)
+    runner = core.runner
+    linears = [m for m in runner.model.modules() if getattr(m, "packed", None) is not None]
+    assert linears and runner.model.lm_head_packed is not None
+    assert runner.packed_bytes >= sum(m.weight.numel() * 2 for m in linears)
+    plain_b = _greedy(_core(ckpts["b"], monkeypatch, packed=False), "plain")
+    assert _greedy(core, "before") == _greedy(_core(ckpts["a"], monkeypatch, packed=False), "plain-a")
+    core.load_weights(ckpts["b"], version="b")
+    assert core._weight_update.wait_read(60)
+    core.step()  # the swap, at a step boundary
+    assert core.weight_version == "b"
+    assert _greedy(core, "after") == plain_b  # the packed copies follow the new weights
