@@ -58,7 +58,7 @@ class ModelRunner:
             config.model, self.dtype, self.device, max_model_len, expert_range, progress,
             hf_config=hf_config, timings=self.load_timings)
         # bf16 linears on the CPU get oneDNN-packed copies, counted before the memory profile
-        self.packed_bytes = packing.pack_linears(self.model, self.device, self.dtype)
+        self.packed_bytes = packing.pack_linears(self.model, self.device, self.dtype, experts=expert_range is None)
         self.weights_bytes += self.packed_bytes
         self.load_s = time.monotonic() - t0
         self.model_dir = config.model  # where the weights in place came from (a weight swap moves it)

@@ -27,12 +27,14 @@ def grouped_expert_mlp(
     topk_weights: torch.Tensor,  # [T, K]
     topk_ids: torch.Tensor,  # [T, K] global expert ids
     expert_offset: int = 0,  # global id of local expert 0
+    packed: list[tuple[torch.Tensor, torch.Tensor]] | None = None,  # oneDNN-packed (w13[e], w2[e])
 ) -> torch.Tensor:
     """Pairs are grouped by expert into a padded [E, n_max, H] batch and multiplied with
     one batched matmul per projection: on CPU the experts' skinny GEMMs then run side by
     side (one per thread) and stream weights at about twice the rate of a per-expert
     loop. Badly skewed routing (padding would exceed ``_MAX_PAD_FACTOR`` x the pairs)
-    falls back to the per-expert loop."""
+    falls back to the per-expert loop, which uses ``packed`` weights when given (bf16 on
+    the CPU: engine/models/packing.py)."""
     T, K = topk_ids.shape
     H = x.shape[1]
     num_local = w13.shape[0]
@@ -68,13 +70,18 @@ def grouped_expert_mlp(
             for e, n in enumerate(local_counts):
                 if n:
                     xe = x.index_select(0, token_of[start:start + n])  # [n, H]
-                    gate_up = F.linear(xe, w13[e])  # [n, 2I]
+                    gate_up = F.linear(xe, w13[e]) if packed is None else _packed_linear(xe, packed[e][0])
                     h = F.silu(gate_up[:, :inter]).mul_(gate_up[:, inter:])
-                    pair_out[start:start + n] = F.linear(h, w2[e]) * weight_of[start:start + n, None]
+                    down = F.linear(h, w2[e]) if packed is None else _packed_linear(h, packed[e][1])
+                    pair_out[start:start + n] = down * weight_of[start:start + n, None]
                     start += n
     # Un-sort and sum each token's K expert outputs (no scatter-add).
     unsorted = torch.empty_like(pair_out).index_copy_(0, order, pair_out)
     return unsorted.view(T, K, H).sum(dim=1)
+
+
+def _packed_linear(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
 
 
 _MAX_PAD_FACTOR = 4

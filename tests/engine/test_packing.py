@@ -1,6 +1,8 @@
-"""oneDNN-packed bf16 linears (engine/models/packing.py): the same results as F.linear, bit
-for bit; counted in the weights; off for float32 and by the environment switch; a weight
-swap in bf16 re-packs, so the engine then generates the new checkpoint's tokens."""
+"""oneDNN-packed bf16 linears and experts (engine/models/packing.py): the same results as
+F.linear, bit for bit; counted in the weights; off for float32 and by the environment
+switch; a bf16 tiny-moe engine (its decode takes the per-expert loop) generates the same
+greedy tokens packed and unpacked, and a weight swap re-packs, so it then generates the
+new checkpoint's tokens; an expert-parallel rank's experts stay unpacked."""
 
 from __future__ import annotations
 
@@ -65,6 +67,8 @@ def test_bf16_engine_packs_and_a_weight_swap_repacks(ckpts, monkeypatch):
     runner = core.runner
     linears = [m for m in runner.model.modules() if getattr(m, "packed", None) is not None]
     assert linears and runner.model.lm_head_packed is not None
+    moes = [m for m in runner.model.modules() if getattr(m, "packed_experts", None) is not None]
+    assert moes and all(len(m.packed_experts) == m.w13.shape[0] for m in moes)  # all experts here: packed
     assert runner.packed_bytes >= sum(m.weight.numel() * 2 for m in linears)
     plain_b = _greedy(_core(ckpts["b"], monkeypatch, packed=False), "plain")
     assert _greedy(core, "before") == _greedy(_core(ckpts["a"], monkeypatch, packed=False), "plain-a")
@@ -73,3 +77,13 @@ def test_bf16_engine_packs_and_a_weight_swap_repacks(ckpts, monkeypatch):
     core.step()  # the swap, at a step boundary
     assert core.weight_version == "b"
     assert _greedy(core, "after") == plain_b  # the packed copies follow the new weights
+
+
+def test_an_expert_parallel_rank_does_not_pack_its_experts(ckpts, monkeypatch):
+    from planaria.engine.model_runner import ModelRunner
+
+    monkeypatch.setenv(packing.ENV, "1")
+    runner = ModelRunner(EngineConfig(model=ckpts["a"], num_kv_blocks=8, max_model_len=64, dtype="bfloat16"),
+                         64, (0, 4))
+    assert all(getattr(m, "packed_experts", None) is None for m in runner.model.modules())
+    assert any(getattr(m, "packed", None) is not None for m in runner.model.modules())  # linears are

@@ -138,12 +138,15 @@ class SparseMoE(nn.Module):
         self.w2 = nn.Parameter(torch.empty(n_local, spec.hidden_size, spec.moe_intermediate_size, dtype=dtype),
                                requires_grad=False)
         self.ep_forward = None  # set by the expert-parallel transform
+        # oneDNN-packed (w13[e], w2[e]) per local expert, when all experts are here and the
+        # weights are bf16 on the CPU (engine/models/packing.py); the expert loop uses them
+        self.packed_experts: list[tuple[torch.Tensor, torch.Tensor]] | None = None
 
     def forward(self, x):  # x: [T, H]
         weights, ids = route(self.router(x), self.top_k, self.renormalize)
         if self.ep_forward is not None:
             return self.ep_forward(self, x, weights, ids)
-        return grouped_expert_mlp(x, self.w13, self.w2, weights, ids, self.expert_start)
+        return grouped_expert_mlp(x, self.w13, self.w2, weights, ids, self.expert_start, self.packed_experts)
 
 
 class DecoderLayer(nn.Module):
