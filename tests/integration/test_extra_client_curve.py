@@ -49,7 +49,9 @@ def test_daemon_engines_serve_a_curve_client_over_tcp(tiny_moe, tmp_path):
                 assert info["state"] == "running"
             outs = [o async for o in client.generate(request("over-curve", max_tokens=4))]
             assert sum(len(o.new_token_ids) for o in outs) == 4
-            status = await asyncio.to_thread(daemon.status)
+            # the engines answered the client before the supervisor may have read engine 1's
+            # first heartbeat: wait for its count, then check it as before
+            status = await asyncio.to_thread(daemon.wait, lambda s: s["num_up"] == 2, 30, "both engines up")
             assert status["num_up"] == 2 and all(e["restarts"] == 0 for e in status["engines"])
             engine_log = (daemon.state / "logs" / "engine-0.log").read_text()
             assert server_secret.decode() not in engine_log
