@@ -24,7 +24,7 @@ from planaria.engine.config import EngineConfig
 from planaria.engine.core import create_engine_core
 from planaria.engine.errors import InvalidRequestError
 from planaria.engine.messages import EngineCoreRequest, Logprobs
-from planaria.engine.sampling_params import SamplingParams, sibling_seed
+from planaria.engine.sampling_params import SamplingParams, sibling_params
 
 
 @dataclass
@@ -138,8 +138,7 @@ class LLM:
                     continue
                 self.core.add_request(EngineCoreRequest(
                     request_id=crid, prompt_token_ids=ids, eos_token_id=self.eos_token_id,
-                    sampling_params=msgspec.structs.replace(engine_params, seed=sibling_seed(params.seed, j))
-                    if j else engine_params,
+                    sampling_params=sibling_params(engine_params, j),
                     priority=priority[i] if priority else 0, structured_output=specs[i],
                     group_id=rid if n > 1 else None))
         while self.core.has_unfinished_requests():

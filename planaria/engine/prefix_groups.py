@@ -54,14 +54,17 @@ class PrefixGroups:
 
     def release(self) -> list[Request]:
         """The held siblings whose leader no longer needs them to wait, in arrival order;
-        they are WAITING again and the caller queues them."""
+        they are WAITING again and the caller queues them. A finished leader, kept only for
+        this, goes with them."""
         if not self._waiters:
             return []
         out: list[Request] = []
-        for gid in [g for g, leader in self._leaders.items() if g in self._waiters and not _prefilling(leader)]:
+        for gid in [g for g in self._waiters if not _prefilling(self._leaders[g])]:
             for req in self._waiters.pop(gid):
                 req.status = RequestStatus.WAITING
                 out.append(req)
+            if self._leaders[gid].status.finished:
+                del self._leaders[gid]
         return out
 
     def remove(self, req: Request) -> None:
@@ -75,13 +78,8 @@ class PrefixGroups:
             waiters.remove(req)
             if not waiters:
                 del self._waiters[gid]
-        if self._leaders.get(gid) is req and gid not in self._waiters:
-            del self._leaders[gid]
-
-    def forget_finished_leaders(self) -> None:
-        """Drop leaders that finished and hold no one back (called after ``release``)."""
-        for gid in [g for g, leader in self._leaders.items()
-                    if leader.status.finished and g not in self._waiters]:
+        leader = self._leaders.get(gid)  # req itself, or one that ended before its last waiter
+        if leader is not None and leader.status.finished and gid not in self._waiters:
             del self._leaders[gid]
 
 

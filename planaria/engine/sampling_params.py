@@ -183,3 +183,8 @@ def sibling_seed(seed: int | None, j: int) -> int | None:
     if seed is None or j == 0:
         return seed
     return (seed + j + 2**63) % 2**64 - 2**63
+
+
+def sibling_params(params: SamplingParams, j: int) -> SamplingParams:
+    """Sibling ``j``'s parameters: ``params`` with ``sibling_seed`` (itself for j = 0)."""
+    return params if j == 0 else msgspec.structs.replace(params, seed=sibling_seed(params.seed, j))

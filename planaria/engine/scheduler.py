@@ -116,7 +116,6 @@ class Scheduler:
         go to the front of the queue: they arrived with their leader."""
         for req in reversed(self.groups.release()):
             self.waiting.add_front(req)
-        self.groups.forget_finished_leaders()
 
     @property
     def num_running(self) -> int:

@@ -26,7 +26,7 @@ import msgspec
 from aiohttp import web
 
 from planaria.engine.messages import EngineCoreRequest
-from planaria.engine.sampling_params import sibling_seed
+from planaria.engine.sampling_params import sibling_params
 from planaria.frontend import responses as R
 from planaria.frontend.choices import ChatRender, Choice, CompletionRender, best_choices
 from planaria.frontend.errors import FrontendError, GatewayTimeoutError, NotFoundError
@@ -108,10 +108,9 @@ class OpenAIServing:
         for i, p in enumerate(prompts):
             fitted = fit_max_tokens(params, len(p.token_ids), self.max_model_len)
             for j in range(best_of):
-                sibling = fitted if j == 0 else msgspec.structs.replace(fitted, seed=sibling_seed(fitted.seed, j))
                 out.append(EngineCoreRequest(
                     request_id=f"{base_id}-{i * best_of + j}", prompt_token_ids=p.token_ids,
-                    sampling_params=sibling, eos_token_id=self.model.eos_token_id, arrival_time=arrival,
+                    sampling_params=sibling_params(fitted, j), eos_token_id=self.model.eos_token_id, arrival_time=arrival,
                     priority=req.priority or 0, structured_output=so,
                     group_id=f"{base_id}-{i}" if best_of > 1 else None))
         return out

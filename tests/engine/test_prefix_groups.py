@@ -83,6 +83,16 @@ def test_an_aborted_leader_releases_its_siblings_and_an_aborted_sibling_leaves()
     out = step(s)
     assert scheduled(out) == [("b", 18)]  # nothing cached: b prefills itself
     assert "c" not in s.requests and not s.groups._waiters and len(s.groups) == 0
+    assert not s.groups._leaders  # the ended leader went with its released sibling
+
+
+def test_a_leader_that_ended_is_forgotten_when_its_last_waiter_is_aborted():
+    s = sched()
+    s.add_request(req("a"))
+    s.add_request(req("b"))
+    s.finish_requests(["a"], RequestStatus.FINISHED_ABORTED)  # kept: b still waits on it
+    s.finish_requests(["b"], RequestStatus.FINISHED_ABORTED)
+    assert not s.groups._leaders and not s.groups._waiters and not s.requests
 
 
 def test_a_sibling_arriving_after_the_prefill_is_admitted_at_once():

@@ -12,7 +12,7 @@ import aiohttp
 import openai
 import pytest
 
-from tests.frontend._stack import Stack
+from tests.frontend._stack import openai_client, run_async, serving
 
 pytest.importorskip("planaria.engine.detokenizer", reason="engine/detokenizer.py is not there yet")
 
@@ -27,22 +27,16 @@ def stack(tmp_path_factory):
     from planaria.engine.demo_model import build_demo_model
 
     root = tmp_path_factory.mktemp("frontend-http")
-    model = build_demo_model(root / "tiny-moe", "tiny-moe")
-    s = Stack(root, model, NUM_ENGINES, ENGINE_CONFIG)
-    try:
-        s.wait_ready()
+    with serving(root, build_demo_model(root / "tiny-moe", "tiny-moe"), NUM_ENGINES, ENGINE_CONFIG) as s:
         yield s
-    finally:
-        code = s.stop()
-        assert code == 0, f"frontend exited {code} on SIGTERM\n{s.log()}"
 
 
 def run(coro, timeout_s: float = 60.0):
-    return asyncio.run(asyncio.wait_for(coro, timeout_s))
+    return run_async(coro, timeout_s)
 
 
 def oai(stack) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=f"{stack.base}/v1", api_key="none", max_retries=0, timeout=60)
+    return openai_client(stack, 60)
 
 
 async def _get(stack, path: str) -> tuple[int, str]:

@@ -16,7 +16,7 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 
 from tests.frontend._http_fuzz import Case, cases, describe, problems, send
-from tests.frontend._stack import Stack
+from tests.frontend._stack import serving
 
 pytest.importorskip("planaria.engine.detokenizer", reason="engine/detokenizer.py is not there yet")
 
@@ -38,14 +38,9 @@ def stack(tmp_path_factory):
     model = build_demo_model(root / "tiny-moe", "tiny-moe")
     template = model / "chat_template.jinja"
     template.write_text(SLOW_PREFIX + template.read_text())
-    s = Stack(root, model, 1, ENGINE_CONFIG, frontend_args=["--render-timeout-s", "2"],
-              frontend_env={"PLANARIA_API_KEY": API_KEY})
-    try:
-        s.wait_ready()
+    with serving(root, model, 1, ENGINE_CONFIG, frontend_args=["--render-timeout-s", "2"],
+                 frontend_env={"PLANARIA_API_KEY": API_KEY}) as s:
         yield s
-    finally:
-        code = s.stop()
-        assert code == 0, f"frontend exited {code} on SIGTERM\n{s.log()}"
 
 
 def _get(stack, path: str, headers=None) -> tuple[int, bytes]:

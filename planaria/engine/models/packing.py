@@ -10,9 +10,9 @@ pack again: ``repack``), expert re-homing and the embedding. The copy costs the 
 weight bytes once more; the runner counts them in its weights before the memory profile
 sizes the KV cache. A MoE layer's experts are packed too, for the per-expert loop that
 decode at small batches takes (2.1x faster per expert GEMM), but only when the engine
-holds every expert: an expert-parallel rank's experts move at run time and are left alone. float32 stays unpacked: its packed GEMM rounds differently, and the
-float32 parity tests compare token for token. ``PLANARIA_CPU_PACKED_LINEAR=0`` turns it
-off.
+holds every expert: an expert-parallel rank's experts move at run time and are left
+alone. float32 stays unpacked: its packed GEMM rounds differently, and the float32
+parity tests compare token for token. ``PLANARIA_CPU_PACKED_LINEAR=0`` turns it off.
 """
 
 from __future__ import annotations
@@ -41,8 +41,19 @@ def pack_linears(model: torch.nn.Module, device: torch.device, dtype: torch.dtyp
     """Pack every bfloat16 linear of ``model`` (modules with a ``packed`` attribute, the
     model's ``lm_head_packed``, and with ``experts`` each MoE layer's ``packed_experts``);
     returns the bytes the packed copies take (0 when off)."""
-    if not available(device, dtype):
-        return 0
+    return _pack(model, dtype, experts) if available(device, dtype) else 0
+
+
+def repack(model: torch.nn.Module) -> None:
+    """After new values were copied into the parameters (a weight swap): pack again what
+    ``pack_linears`` packed (nothing, if it packed nothing)."""
+    if getattr(model, "lm_head_packed", None) is None:
+        return
+    experts = any(getattr(m, "packed_experts", None) is not None for m in model.modules())
+    _pack(model, model.lm_head_weight().dtype, experts)
+
+
+def _pack(model: torch.nn.Module, dtype: torch.dtype, experts: bool) -> int:
     added = 0
     with torch.no_grad():
         for m in model.modules():
@@ -58,18 +69,6 @@ def pack_linears(model: torch.nn.Module, device: torch.device, dtype: torch.dtyp
             if w is model.embed.weight:  # tied: a copy of its own (a packed Linear's is counted above)
                 added += w.numel() * w.element_size()
     return added
-
-
-def repack(model: torch.nn.Module) -> None:
-    """After new values were copied into the parameters (a weight swap)."""
-    with torch.no_grad():
-        for m in model.modules():
-            if getattr(m, "packed", None) is not None:
-                m.packed = pack(m.weight)
-            if getattr(m, "packed_experts", None) is not None:
-                m.packed_experts = _pack_experts(m)
-        if getattr(model, "lm_head_packed", None) is not None:
-            model.lm_head_packed = pack(model.lm_head_weight())
 
 
 def _pack_experts(moe) -> list[tuple[torch.Tensor, torch.Tensor]]:
