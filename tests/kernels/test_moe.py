@@ -68,3 +68,24 @@ def test_no_local_pairs_gives_zeros():
     w, ids = route(case.router_logits, case.top_k, True)
     out = grouped_expert_mlp(case.x, case.w13[4:], case.w2[4:], w, ids, expert_offset=4)
     assert torch.equal(out, torch.zeros_like(case.x))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_tokens, offset, num_local", [(1, 0, 8), (2, 0, 8), (4, 0, 8), (3, 4, 4), (4, 2, 2)])
+def test_few_pairs_path_equals_the_general_loop_bit_for_bit(monkeypatch, dtype, num_tokens, offset, num_local):
+    # decode at one to four tokens groups its pairs in Python (_few_pairs); the general
+    # path's per-expert loop must give the very same tensor, on a full engine and on an
+    # expert-parallel rank's slice of the experts
+    case = moe_case(num_tokens, seed=11 + num_tokens)
+    w, ids = route(case.router_logits.to(dtype), case.top_k, True)
+    args = (case.x.to(dtype), case.w13[offset:offset + num_local].to(dtype),
+            case.w2[offset:offset + num_local].to(dtype), w, ids, offset)
+    calls = []
+    real = moe._few_pairs
+    monkeypatch.setattr(moe, "_few_pairs", lambda *a: calls.append(1) or real(*a))
+    fast = grouped_expert_mlp(*args)
+    assert calls, "the few-pairs path did not run"
+    monkeypatch.setattr(moe, "_FEW_PAIRS", 0)
+    general = grouped_expert_mlp(*args)
+    assert len(calls) == 1
+    assert torch.equal(fast, general)
