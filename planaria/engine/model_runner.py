@@ -22,6 +22,7 @@ from planaria.engine.request import Request
 from planaria.engine.sampler import Sampler
 from planaria.engine.sampling_metadata import SamplingMetadata
 from planaria.engine.scheduler import SchedulerOutput
+from planaria.kernels import cpu_ext
 from planaria.kernels.attention import build_metadata
 
 log = structlog.get_logger("planaria.engine.runner")
@@ -52,6 +53,8 @@ class ModelRunner:
             tune_cpu_allocator()
             if config.num_threads:
                 torch.set_num_threads(config.num_threads)
+            if self.dtype != torch.float32:  # bf16/fp16 decode attention: C++ or torch code
+                log.info("C++ CPU kernels: %s", cpu_ext.status())
         t0 = time.monotonic()
         self.load_timings: dict[str, float] = {}  # build_s, read_s (engine/models/loader.py)
         self.model, self.hf_config, self.spec, self.weights_bytes = load_model(

@@ -8,8 +8,11 @@ configs lives in the engine: the sampler that turns a step's SamplingMetadata in
 and Logprobs records is engine/sampler.py, the rotary frequencies of a checkpoint's config
 are engine/models/rope.py.
 
-There are no separate GPU kernels (no Triton or CUDA code): the same torch code runs on
-CPU, where it is the reference, and on CUDA. tests/kernels/test_*.py check each kernel on
+One C++ kernel, for the CPU: decode attention in bfloat16/float16 read from the paged KV
+cache in place (csrc/decode_attention.cpp), built at install by cpu_ext.py and loaded if
+present; the torch code stays the fallback and the reference it is tested against. There
+are no separate GPU kernels (no Triton or CUDA code): the same torch code runs on CPU and
+on CUDA. tests/kernels/test_*.py check each kernel on
 CPU against naive references; tests/kernels/test_kernels_gpu.py (marked ``gpu``, skipped
 without a CUDA device) runs them, and a short engine generate, on CUDA in float32 and
 bfloat16 and compares with the CPU results.

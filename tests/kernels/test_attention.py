@@ -5,6 +5,7 @@ against naive causal attention (tests/kernels/_cases.py)."""
 import pytest
 import torch
 
+from planaria.kernels import cpu_ext
 from planaria.kernels.attention import build_metadata, paged_attention
 from tests.kernels._cases import attention_case, attention_inputs, attention_reference, slots_of
 
@@ -42,16 +43,30 @@ def test_metadata_slots_follow_the_block_tables():
     assert md.prefills[0].mask.shape == (4, 9) and md.prefills[0].slots.tolist()[:5] == [36, 37, 38, 39, 16]
 
 
+@pytest.fixture(params=["torch", "cpp"])
+def decode_path(request, monkeypatch):
+    """The torch matmul path (_decode_gqa) and the C++ in-place kernel
+    (kernels/csrc/decode_attention.cpp, built here if `make venv` has not)."""
+    if request.param == "torch":
+        monkeypatch.setenv(cpu_ext.ENV, "0")
+    else:
+        monkeypatch.delenv(cpu_ext.ENV, raising=False)
+        cpu_ext.build()
+        assert cpu_ext.available(), cpu_ext.status()
+    return request.param
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("num_heads, num_kv_heads", [(4, 2), (4, 4), (8, 1), (9, 3)])
-def test_half_precision_decode_path_matches_sdpa_and_the_naive_reference(dtype, num_heads, num_kv_heads):
-    # bf16/fp16 decode rows on CPU take _decode_gqa (two matmuls, float32 softmax) instead
-    # of SDPA's CPU flash kernel; prefill rows keep SDPA. Both against float64 attention
-    # and against SDPA run on the same half-precision inputs.
+def test_half_precision_decode_path_matches_sdpa_and_the_naive_reference(dtype, num_heads, num_kv_heads,
+                                                                          decode_path):
+    # bf16/fp16 decode rows on CPU take the C++ kernel or _decode_gqa (two matmuls, float32
+    # softmax) instead of SDPA's CPU flash kernel; prefill rows keep SDPA. Both against
+    # float64 attention and against SDPA run on the same half-precision inputs.
     case = attention_case(seed=num_heads * 7 + num_kv_heads, num_heads=num_heads, num_kv_heads=num_kv_heads)
     (q, k, v, k_cache, v_cache, md), pick = attention_inputs(case, "cpu", dtype)
     out = paged_attention(q, k, v, k_cache, v_cache, md, case.scale)
-    assert md.decode_bias is not None  # the matmul path ran
+    assert (md.decode_bias is None) == (decode_path == "cpp")  # which path ran
     ref = attention_reference(case, pick)
     torch.testing.assert_close(out.double(), ref, rtol=2e-2, atol=2e-2)
     B = md.num_decode

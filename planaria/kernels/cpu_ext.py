@@ -1,0 +1,129 @@
+"""Planaria's C++ CPU kernels (kernels/csrc/): built once at install, loaded if present.
+
+``make venv`` runs ``python -m planaria.kernels.cpu_ext`` after installing, which compiles
+csrc/*.cpp against the installed torch (g++ -O3 -march=native, no ninja, no pybind) into
+``_ext/<tag>/planaria_cpu.so`` inside this package; the tag hashes the sources, the torch
+version and the CPU's flags, so another torch or another host builds its own. Engines only
+load it (``available()``), they never compile at start-up; where it is missing, failed to
+build, or ``PLANARIA_CPU_KERNELS=0`` is set, the torch code in the kernels is used, which
+is also the reference the C++ is tested against (tests/kernels/test_cpu_ext.py).
+
+The op: ``torch.ops.planaria.decode_attention`` (csrc/decode_attention.cpp), decode
+attention read from the paged KV cache in place.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+ENV = "PLANARIA_CPU_KERNELS"
+SRC_DIR = Path(__file__).resolve().parent / "csrc"
+EXT_DIR = Path(__file__).resolve().parent / "_ext"
+_state: dict[str, object] = {}
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return " ".join(sorted(line.split(":", 1)[1].split()))
+    except OSError:
+        pass
+    return ""
+
+
+def _sources() -> list[Path]:
+    return sorted(SRC_DIR.glob("*.cpp"))
+
+
+def tag() -> str:
+    h = hashlib.sha256()
+    for src in _sources():
+        h.update(src.name.encode() + b"\0" + src.read_bytes())
+    h.update(torch.__version__.encode() + b"\0" + _cpu_flags().encode())
+    return h.hexdigest()[:16]
+
+
+def library_path() -> Path:
+    return EXT_DIR / tag() / "planaria_cpu.so"
+
+
+def build(verbose: bool = False) -> Path:
+    """Compile csrc/*.cpp into library_path() (atomically: a half-written .so is never
+    seen). Raises CalledProcessError with the compiler's output on failure."""
+    from torch.utils import cpp_extension
+
+    out = library_path()
+    if out.is_file():
+        return out
+    cxx = os.environ.get("CXX", "g++")
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    cmd = [cxx, "-shared", "-fPIC", "-O3", "-march=native", "-ffast-math", "-std=c++17", "-fopenmp",
+           f"-D_GLIBCXX_USE_CXX11_ABI={abi}", "-DTORCH_API_INCLUDE_EXTENSION_H=0"]
+    cmd += [f"-I{p}" for p in cpp_extension.include_paths()]
+    cmd += [str(s) for s in _sources()]
+    cmd += [f"-L{p}" for p in cpp_extension.library_paths()]
+    cmd += [f"-Wl,-rpath,{p}" for p in cpp_extension.library_paths()]
+    cmd += ["-lc10", "-ltorch_cpu", "-ltorch"]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        tmp_so = Path(tmp) / out.name
+        if verbose:
+            print(" ".join(cmd + ["-o", str(tmp_so)]), flush=True)
+        subprocess.run(cmd + ["-o", str(tmp_so)], check=True, capture_output=not verbose, text=True)
+        os.replace(tmp_so, out)
+    for old in EXT_DIR.iterdir():  # builds for other sources / torch / hosts
+        if old.is_dir() and old.name != out.parent.name:
+            shutil.rmtree(old, ignore_errors=True)
+    return out
+
+
+def available() -> bool:
+    """Loads the built library once; False (the torch code is used) when it is missing,
+    cannot be loaded, or PLANARIA_CPU_KERNELS=0."""
+    if os.environ.get(ENV, "1") == "0":
+        return False
+    if "ok" not in _state:
+        ok = False
+        path = library_path()
+        if path.is_file():
+            try:
+                torch.ops.load_library(str(path))
+                ok = hasattr(torch.ops.planaria, "decode_attention")
+            except (OSError, RuntimeError) as exc:
+                _state["error"] = f"{path}: {exc}"
+        else:
+            _state["error"] = f"not built ({path} missing): python -m planaria.kernels.cpu_ext"
+        _state["ok"] = ok
+    return bool(_state["ok"])
+
+
+def status() -> str:
+    """One line for logs: loaded, or why not."""
+    if os.environ.get(ENV, "1") == "0":
+        return f"off ({ENV}=0)"
+    return "loaded" if available() else str(_state.get("error"))
+
+
+def main() -> int:
+    try:
+        path = build(verbose="-v" in sys.argv)
+    except (subprocess.CalledProcessError, OSError) as exc:
+        out = getattr(exc, "stderr", "") or ""
+        print(f"planaria: C++ CPU kernels not built ({exc}); the torch code will be used\n{out[-4000:]}",
+              file=sys.stderr)
+        return 0 if "--check" not in sys.argv else 1
+    print(f"planaria: C++ CPU kernels at {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
