@@ -8,8 +8,10 @@ load it (``available()``), they never compile at start-up; where it is missing, 
 build, or ``PLANARIA_CPU_KERNELS=0`` is set, the torch code in the kernels is used, which
 is also the reference the C++ is tested against (tests/kernels/test_cpu_ext.py).
 
-The op: ``torch.ops.planaria.decode_attention`` (csrc/decode_attention.cpp), decode
-attention read from the paged KV cache in place.
+The ops: ``torch.ops.planaria.decode_attention`` (csrc/decode_attention.cpp), decode
+attention read from the paged KV cache in place; ``torch.ops.planaria.fused_moe``
+(csrc/fused_moe.cpp), the MoE expert MLP for small batches, streaming each expert's
+weights once for all its tokens (AVX512-BF16's dot instruction where the CPU has it).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import torch
 ENV = "PLANARIA_CPU_KERNELS"
 SRC_DIR = Path(__file__).resolve().parent / "csrc"
 EXT_DIR = Path(__file__).resolve().parent / "_ext"
+OPS = ("decode_attention", "fused_moe")
 _state: dict[str, object] = {}
 
 
@@ -97,7 +100,7 @@ def available() -> bool:
         if path.is_file():
             try:
                 torch.ops.load_library(str(path))
-                ok = hasattr(torch.ops.planaria, "decode_attention")
+                ok = all(hasattr(torch.ops.planaria, op) for op in OPS)
             except (OSError, RuntimeError) as exc:
                 _state["error"] = f"{path}: {exc}"
         else:

@@ -14,6 +14,7 @@ from planaria.engine.config import EngineConfig
 from planaria.engine.core import EngineCore
 from planaria.engine.messages import EngineCoreRequest
 from planaria.engine.models import packing
+from planaria.kernels import cpu_ext
 from planaria.engine.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.skipif(not packing.available(torch.device("cpu"), torch.bfloat16),
@@ -62,13 +63,24 @@ def _core(model: str, monkeypatch, packed: bool) -> EngineCore:
     return EngineCore(EngineConfig(model=model, num_kv_blocks=64, max_model_len=256, dtype="bfloat16"))
 
 
-def test_bf16_engine_packs_and_a_weight_swap_repacks(ckpts, monkeypatch):
+@pytest.mark.parametrize("cpp", [False, True])
+def test_bf16_engine_packs_and_a_weight_swap_repacks(ckpts, monkeypatch, cpp):
+    # without the C++ kernels the experts are packed for the per-expert loop; with them
+    # the fused MoE kernel reads the parameters and the experts are not packed
+    if cpp:
+        cpu_ext.build()
+        monkeypatch.delenv(cpu_ext.ENV, raising=False)
+    else:
+        monkeypatch.setenv(cpu_ext.ENV, "0")
     core = _core(ckpts["a"], monkeypatch, packed=True)
     runner = core.runner
     linears = [m for m in runner.model.modules() if getattr(m, "packed", None) is not None]
     assert linears and runner.model.lm_head_packed is not None
     moes = [m for m in runner.model.modules() if getattr(m, "packed_experts", None) is not None]
-    assert moes and all(len(m.packed_experts) == m.w13.shape[0] for m in moes)  # all experts here: packed
+    if cpp:
+        assert not moes
+    else:
+        assert moes and all(len(m.packed_experts) == m.w13.shape[0] for m in moes)  # all experts here: packed
     assert runner.packed_bytes >= sum(m.weight.numel() * 2 for m in linears)
     plain_b = _greedy(_core(ckpts["b"], monkeypatch, packed=False), "plain")
     assert _greedy(core, "before") == _greedy(_core(ckpts["a"], monkeypatch, packed=False), "plain-a")

@@ -99,3 +99,71 @@ def test_switch_and_status(monkeypatch):
     monkeypatch.delenv(cpu_ext.ENV)
     assert cpu_ext.available() and cpu_ext.status() == "loaded"
     assert cpu_ext.library_path().parent.name == cpu_ext.tag()
+
+
+def _moe_reference(x, w13, w2, weights, ids, offset):
+    """float64, from the same (rounded) inputs: per token, per local expert chosen."""
+    inter = w2.shape[2]
+    out = torch.zeros(x.shape, dtype=torch.float64)
+    for t in range(x.shape[0]):
+        for j in range(ids.shape[1]):
+            e = int(ids[t, j]) - offset
+            if 0 <= e < w13.shape[0]:
+                gu = w13[e].double() @ x[t].double()
+                out[t] += float(weights[t, j]) * (w2[e].double() @ (torch.nn.functional.silu(gu[:inter]) * gu[inter:]))
+    return out
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2), (torch.float16, 5e-3)])
+@pytest.mark.parametrize("num_tokens", [1, 3, 9, 40])
+@pytest.mark.parametrize("offset, num_local", [(0, 8), (3, 3)])  # all experts; an EP rank's slice
+def test_fused_moe_matches_float64_experts(dtype, tol, num_tokens, offset, num_local):
+    # hidden 80 and intermediate 48: not multiples of the 32-wide dot (its tail is exercised)
+    g = torch.Generator().manual_seed(num_tokens * 10 + offset)
+    H, inter, E, K = 80, 48, 8, 2
+    x = torch.randn(num_tokens, H, generator=g).to(dtype)
+    w13 = (torch.randn(E, 2 * inter, H, generator=g) / H ** 0.5).to(dtype)[offset:offset + num_local].contiguous()
+    w2 = (torch.randn(E, H, inter, generator=g) / inter ** 0.5).to(dtype)[offset:offset + num_local].contiguous()
+    weights, ids = torch.softmax(torch.randn(num_tokens, E, generator=g), -1).topk(K, dim=-1)
+    out = torch.full_like(x, float("nan"))
+    torch.ops.planaria.fused_moe(x, w13, w2, weights, ids, offset, out)
+    ref = _moe_reference(x, w13, w2, weights, ids, offset)
+    scale = ref.abs().max().item() + 1e-6
+    torch.testing.assert_close(out.double() / scale, ref / scale, rtol=tol, atol=tol)
+
+
+def test_grouped_expert_mlp_takes_the_kernel_for_small_bf16_batches(monkeypatch):
+    from planaria.kernels import moe
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(6, 64, generator=g).bfloat16()
+    w13 = torch.randn(4, 64, 64, generator=g).bfloat16() / 8
+    w2 = torch.randn(4, 64, 32, generator=g).bfloat16() / 8
+    weights, ids = torch.softmax(torch.randn(6, 4, generator=g), -1).topk(2, dim=-1)
+    expected = torch.empty_like(x)
+    torch.ops.planaria.fused_moe(x, w13, w2, weights, ids, 0, expected)
+    got = moe.grouped_expert_mlp(x, w13, w2, weights, ids)
+    assert torch.equal(got, expected)
+    monkeypatch.setattr(moe, "_CPP_PAIRS_PER_EXPERT", 1)  # 12 pairs > 1 * 4 experts: the torch code
+    torch_path = moe.grouped_expert_mlp(x, w13, w2, weights, ids)
+    assert not torch.equal(torch_path, expected)  # bf16 intermediates there, float32 in the kernel
+    torch.testing.assert_close(torch_path.float(), expected.float(), rtol=5e-2, atol=5e-2)
+
+
+@pytest.mark.parametrize("bad, match", [
+    ("shape", "weight shapes"), ("ids", "int64"), ("dtype", "one dtype"), ("topk", "topk shapes"),
+])
+def test_fused_moe_bad_arguments_are_errors(bad, match):
+    x = torch.randn(2, 32).bfloat16()
+    w13, w2 = torch.randn(4, 64, 32).bfloat16(), torch.randn(4, 32, 32).bfloat16()
+    weights, ids = torch.rand(2, 2), torch.tensor([[0, 1], [2, 3]])
+    if bad == "shape":
+        w2 = torch.randn(4, 32, 16).bfloat16()
+    elif bad == "ids":
+        ids = ids.int()
+    elif bad == "dtype":
+        w13 = w13.float()
+    elif bad == "topk":
+        weights = torch.rand(2, 3)
+    with pytest.raises(RuntimeError, match=match):
+        torch.ops.planaria.fused_moe(x, w13, w2, weights, ids, 0, torch.empty_like(x))

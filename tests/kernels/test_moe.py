@@ -5,7 +5,7 @@ experts active, skewed routing), and an expert-parallel rank's share."""
 import pytest
 import torch
 
-from planaria.kernels import moe
+from planaria.kernels import cpu_ext, moe
 from planaria.kernels.moe import grouped_expert_mlp, route
 from tests.kernels._cases import moe_case, moe_reference, route_reference
 
@@ -76,6 +76,7 @@ def test_few_pairs_path_equals_the_general_loop_bit_for_bit(monkeypatch, dtype, 
     # decode at one to four tokens groups its pairs in Python (_few_pairs); the general
     # path's per-expert loop must give the very same tensor, on a full engine and on an
     # expert-parallel rank's slice of the experts
+    monkeypatch.setenv(cpu_ext.ENV, "0")  # the torch code (the C++ kernel: test_cpu_ext.py)
     case = moe_case(num_tokens, seed=11 + num_tokens)
     w, ids = route(case.router_logits.to(dtype), case.top_k, True)
     args = (case.x.to(dtype), case.w13[offset:offset + num_local].to(dtype),

@@ -10,8 +10,9 @@ pack again: ``repack``), expert re-homing and the embedding. The copy costs the 
 weight bytes once more; the runner counts them in its weights before the memory profile
 sizes the KV cache. A MoE layer's experts are packed too, for the per-expert loop that
 decode at small batches takes (2.1x faster per expert GEMM), but only when the engine
-holds every expert: an expert-parallel rank's experts move at run time and are left
-alone. float32 stays unpacked: its packed GEMM rounds differently, and the float32
+holds every expert (an expert-parallel rank's experts move at run time and are left
+alone) and the C++ kernels are not built: their fused MoE (kernels/csrc/fused_moe.cpp)
+replaces that loop and reads the parameters themselves. float32 stays unpacked: its packed GEMM rounds differently, and the float32
 parity tests compare token for token. ``PLANARIA_CPU_PACKED_LINEAR=0`` turns it off.
 """
 
@@ -20,6 +21,8 @@ from __future__ import annotations
 import os
 
 import torch
+
+from planaria.kernels import cpu_ext
 
 ENV = "PLANARIA_CPU_PACKED_LINEAR"
 
@@ -60,7 +63,7 @@ def _pack(model: torch.nn.Module, dtype: torch.dtype, experts: bool) -> int:
             if hasattr(m, "packed") and getattr(m, "weight", None) is not None and m.weight.dtype == dtype:
                 m.packed = pack(m.weight)
                 added += m.weight.numel() * m.weight.element_size()
-            if experts and hasattr(m, "packed_experts") and m.w13.dtype == dtype:
+            if experts and hasattr(m, "packed_experts") and m.w13.dtype == dtype and not cpu_ext.available():
                 m.packed_experts = _pack_experts(m)
                 added += (m.w13.numel() + m.w2.numel()) * m.w13.element_size()
         if hasattr(model, "lm_head_packed"):

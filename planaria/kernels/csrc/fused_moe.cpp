@@ -1,0 +1,251 @@
+// Fused MoE expert MLP for a few tokens (decode), for the CPU.
+//
+// x [T, H]; w13 [E, 2I, H] (gate rows then up rows); w2 [E, H, I]; topk_weights [T, K]
+// float32; topk_ids [T, K] int64 global expert ids; expert_offset: global id of local
+// expert 0 (pairs routed to other experts are skipped: an expert-parallel rank's share);
+// out [T, H] = sum over each token's local pairs of weight * w2[e] (silu(g) * u) where
+// (g, u) = w13[e] x. bfloat16 / float16 / float32 weights and activations, every sum in
+// float32, the intermediate kept in float32. Two parallel phases over (expert, chunk of
+// output rows): each weight row is read once for all of that expert's tokens, so the
+// weights stream once per step (decode is bound by reading them). Per-pair outputs are
+// summed per token in k order, so results do not depend on the thread count.
+// planaria/kernels/moe.py calls it for small batches; its torch code is the reference
+// (tests/kernels/test_cpu_ext.py).
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+inline float to_f(float v) { return v; }
+inline float to_f(c10::BFloat16 v) { return static_cast<float>(v); }
+inline float to_f(c10::Half v) { return static_cast<float>(v); }
+
+inline void widen(const float* src, float* dst, int64_t n) { std::memcpy(dst, src, n * sizeof(float)); }
+inline void widen(const c10::BFloat16* src, float* dst, int64_t n) {
+  const uint16_t* s = reinterpret_cast<const uint16_t*>(src);
+  uint32_t* d = reinterpret_cast<uint32_t*>(dst);
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) d[i] = static_cast<uint32_t>(s[i]) << 16;
+}
+inline void widen(const c10::Half* src, float* dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
+// out[j] = w . xs[j] for n vectors of length len; w is widened once into wf (scratch).
+template <typename T>
+inline void dot_many(const T* w, float* wf, const float* const* xs, int64_t n, int64_t len, float* const* out) {
+  widen(w, wf, len);
+  for (int64_t j = 0; j < n; ++j) {
+    const float* x = xs[j];
+    float s = 0.f;
+#pragma omp simd reduction(+ : s)
+    for (int64_t i = 0; i < len; ++i) s += wf[i] * x[i];
+    *out[j] = s;
+  }
+}
+
+#if defined(__AVX512BF16__)
+// bfloat16 with the AVX512-BF16 dot instruction (32 products per instruction, float32
+// sums), four vectors per pass over the weight row; xs are bfloat16 here.
+inline void dot_many_bf16(const c10::BFloat16* w, const c10::BFloat16* const* xs, int64_t n, int64_t len,
+                          float* const* out) {
+  const int64_t main = len - len % 32;
+  auto tail = [&](const c10::BFloat16* x) {
+    float s = 0.f;
+    for (int64_t i = main; i < len; ++i) s += static_cast<float>(w[i]) * static_cast<float>(x[i]);
+    return s;
+  };
+  int64_t j = 0;
+  for (; j + 4 <= n; j += 4) {
+    __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps(), a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();
+    for (int64_t i = 0; i < main; i += 32) {
+      const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + i);
+      a0 = _mm512_dpbf16_ps(a0, wv, (__m512bh)_mm512_loadu_si512(xs[j] + i));
+      a1 = _mm512_dpbf16_ps(a1, wv, (__m512bh)_mm512_loadu_si512(xs[j + 1] + i));
+      a2 = _mm512_dpbf16_ps(a2, wv, (__m512bh)_mm512_loadu_si512(xs[j + 2] + i));
+      a3 = _mm512_dpbf16_ps(a3, wv, (__m512bh)_mm512_loadu_si512(xs[j + 3] + i));
+    }
+    *out[j] = _mm512_reduce_add_ps(a0) + tail(xs[j]);
+    *out[j + 1] = _mm512_reduce_add_ps(a1) + tail(xs[j + 1]);
+    *out[j + 2] = _mm512_reduce_add_ps(a2) + tail(xs[j + 2]);
+    *out[j + 3] = _mm512_reduce_add_ps(a3) + tail(xs[j + 3]);
+  }
+  for (; j < n; ++j) {
+    __m512 a0 = _mm512_setzero_ps();
+    for (int64_t i = 0; i < main; i += 32)
+      a0 = _mm512_dpbf16_ps(a0, (__m512bh)_mm512_loadu_si512(w + i), (__m512bh)_mm512_loadu_si512(xs[j] + i));
+    *out[j] = _mm512_reduce_add_ps(a0) + tail(xs[j]);
+  }
+}
+constexpr bool kHaveBf16Dot = true;
+#else
+constexpr bool kHaveBf16Dot = false;
+#endif
+
+constexpr int64_t kRowChunk = 32;
+
+// y[s, r] for the slots s of expert e (rows [r0, r1) of a weight [R, len]); inputs are
+// the slots' vectors in A (T dtype, for the bf16 instruction) or F (float32).
+template <typename T>
+void rows_times(const T* W, int64_t len, int64_t r0, int64_t r1, int64_t s0, int64_t s1,
+                const std::vector<const T*>& in_t, const std::vector<const float*>& in_f,
+                float* y, int64_t y_stride, std::vector<float>& wf, std::vector<float*>& outs) {
+  const int64_t n = s1 - s0;
+  outs.resize(n);
+  for (int64_t r = r0; r < r1; ++r) {
+    for (int64_t j = 0; j < n; ++j) outs[j] = y + (s0 + j) * y_stride + r;
+#if defined(__AVX512BF16__)
+    if constexpr (std::is_same_v<T, c10::BFloat16>) {
+      dot_many_bf16(W + r * len, in_t.data() + s0, n, len, outs.data());
+      continue;
+    }
+#endif
+    dot_many(W + r * len, wf.data(), in_f.data() + s0, n, len, outs.data());
+  }
+}
+
+template <typename T>
+void moe_kernel(const at::Tensor& x, const at::Tensor& w13, const at::Tensor& w2, const at::Tensor& topk_weights,
+                const at::Tensor& topk_ids, int64_t expert_offset, at::Tensor& out) {
+  const int64_t T_ = x.size(0), H = x.size(1), K = topk_ids.size(1);
+  const int64_t E = w13.size(0), I2 = w13.size(1), I = I2 / 2;
+  const T* xp = x.data_ptr<T>();
+  const T* w13p = w13.data_ptr<T>();
+  const T* w2p = w2.data_ptr<T>();
+  const float* twp = topk_weights.data_ptr<float>();
+  const int64_t* idp = topk_ids.data_ptr<int64_t>();
+  T* op = out.data_ptr<T>();
+  constexpr bool bf16_dot = kHaveBf16Dot && std::is_same_v<T, c10::BFloat16>;
+
+  // group pairs by local expert (pair p = token * K + k), in pair order
+  std::vector<int64_t> count(E + 1, 0);
+  for (int64_t p = 0; p < T_ * K; ++p) {
+    const int64_t e = idp[p] - expert_offset;
+    if (e >= 0 && e < E) ++count[e + 1];
+  }
+  for (int64_t e = 0; e < E; ++e) count[e + 1] += count[e];  // count[e] = first slot of expert e
+  const int64_t P = count[E];
+  std::vector<int64_t> pair_of(P), fill(count.begin(), count.end() - 1);
+  for (int64_t p = 0; p < T_ * K; ++p) {
+    const int64_t e = idp[p] - expert_offset;
+    if (e >= 0 && e < E) pair_of[fill[e]++] = p;
+  }
+  std::vector<int64_t> active;
+  for (int64_t e = 0; e < E; ++e)
+    if (count[e + 1] > count[e]) active.push_back(e);
+  const int64_t A = static_cast<int64_t>(active.size());
+
+  // per-slot inputs of phase 1: the token's row of x (as T, and widened to float)
+  std::vector<float> xf(bf16_dot ? 0 : T_ * H);
+  for (int64_t i = 0; i < static_cast<int64_t>(xf.size()); ++i) xf[i] = to_f(xp[i]);
+  std::vector<const T*> x_t(P);
+  std::vector<const float*> x_f(P);
+  for (int64_t s = 0; s < P; ++s) {
+    x_t[s] = xp + (pair_of[s] / K) * H;
+    x_f[s] = bf16_dot ? nullptr : xf.data() + (pair_of[s] / K) * H;
+  }
+  const int64_t Pm = std::max<int64_t>(P, 1);
+  std::vector<float> gu(Pm * I2), y(Pm * H), hf(bf16_dot ? 0 : Pm * I);
+  std::vector<T> ht(bf16_dot ? Pm * I : 0);
+
+  // phase 1: gu[s, r] = w13[e, r] . x[token of s]
+  const int64_t chunks1 = (I2 + kRowChunk - 1) / kRowChunk;
+  at::parallel_for(0, A * chunks1, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> wf(H);
+    std::vector<float*> outs;
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t e = active[item / chunks1];
+      const int64_t r0 = (item % chunks1) * kRowChunk;
+      rows_times<T>(w13p + e * I2 * H, H, r0, std::min(I2, r0 + kRowChunk), count[e], count[e + 1], x_t, x_f,
+                    gu.data(), I2, wf, outs);
+    }
+  });
+  // h = silu(gate) * up, rounded to T where the bf16 instruction reads it
+  at::parallel_for(0, P, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t s = begin; s < end; ++s)
+      for (int64_t i = 0; i < I; ++i) {
+        const float g = gu[s * I2 + i];
+        const float v = g / (1.f + std::exp(-g)) * gu[s * I2 + I + i];
+        if constexpr (bf16_dot) ht[s * I + i] = static_cast<T>(v);
+        else hf[s * I + i] = v;
+      }
+  });
+  std::vector<const T*> h_t(P);
+  std::vector<const float*> h_f(P);
+  for (int64_t s = 0; s < P; ++s) {
+    h_t[s] = bf16_dot ? ht.data() + s * I : nullptr;
+    h_f[s] = bf16_dot ? nullptr : hf.data() + s * I;
+  }
+  // phase 2: y[s, c] = w2[e, c] . h[s]
+  const int64_t chunks2 = (H + kRowChunk - 1) / kRowChunk;
+  at::parallel_for(0, A * chunks2, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> wf(I);
+    std::vector<float*> outs;
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t e = active[item / chunks2];
+      const int64_t c0 = (item % chunks2) * kRowChunk;
+      rows_times<T>(w2p + e * H * I, I, c0, std::min(H, c0 + kRowChunk), count[e], count[e + 1], h_t, h_f,
+                    y.data(), H, wf, outs);
+    }
+  });
+  // out[t] = sum_k weight * y[slot of pair (t, k)], in k order
+  std::vector<int64_t> slot_of(T_ * K, -1);
+  for (int64_t s = 0; s < P; ++s) slot_of[pair_of[s]] = s;
+  for (int64_t t = 0; t < T_; ++t) {
+    T* o = op + t * H;
+    for (int64_t c = 0; c < H; ++c) {
+      float acc = 0.f;
+      for (int64_t k = 0; k < K; ++k) {
+        const int64_t s = slot_of[t * K + k];
+        if (s >= 0) acc += twp[t * K + k] * y[s * H + c];
+      }
+      o[c] = static_cast<T>(acc);
+    }
+  }
+}
+
+void fused_moe(const at::Tensor& x, const at::Tensor& w13, const at::Tensor& w2, const at::Tensor& topk_weights,
+               const at::Tensor& topk_ids, int64_t expert_offset, at::Tensor out) {
+  TORCH_CHECK(x.dim() == 2 && w13.dim() == 3 && w2.dim() == 3 && topk_weights.dim() == 2 && topk_ids.dim() == 2,
+              "fused_moe: x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk [T, K]");
+  TORCH_CHECK(x.is_contiguous() && w13.is_contiguous() && w2.is_contiguous() && topk_weights.is_contiguous() &&
+                  topk_ids.is_contiguous() && out.is_contiguous(), "fused_moe: contiguous tensors only");
+  const int64_t H = x.size(1), E = w13.size(0), I2 = w13.size(1);
+  TORCH_CHECK(I2 % 2 == 0 && w13.size(2) == H && w2.size(0) == E && w2.size(1) == H && w2.size(2) == I2 / 2,
+              "fused_moe: weight shapes");
+  TORCH_CHECK(topk_ids.sizes() == topk_weights.sizes() && topk_ids.size(0) == x.size(0), "fused_moe: topk shapes");
+  TORCH_CHECK(topk_ids.scalar_type() == at::kLong && topk_weights.scalar_type() == at::kFloat,
+              "fused_moe: topk_ids int64, topk_weights float32");
+  TORCH_CHECK(x.scalar_type() == w13.scalar_type() && x.scalar_type() == w2.scalar_type() &&
+                  x.scalar_type() == out.scalar_type() && out.sizes() == x.sizes(), "fused_moe: one dtype, out like x");
+  switch (x.scalar_type()) {
+    case at::kBFloat16: moe_kernel<c10::BFloat16>(x, w13, w2, topk_weights, topk_ids, expert_offset, out); break;
+    case at::kHalf: moe_kernel<c10::Half>(x, w13, w2, topk_weights, topk_ids, expert_offset, out); break;
+    case at::kFloat: moe_kernel<float>(x, w13, w2, topk_weights, topk_ids, expert_offset, out); break;
+    default: TORCH_CHECK(false, "fused_moe: float32, bfloat16 or float16");
+  }
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(planaria, m) {
+  m.def("fused_moe(Tensor x, Tensor w13, Tensor w2, Tensor topk_weights, Tensor topk_ids, int expert_offset, "
+        "Tensor(a!) out) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(planaria, CPU, m) { m.impl("fused_moe", &fused_moe); }
