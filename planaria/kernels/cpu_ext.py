@@ -11,7 +11,8 @@ is also the reference the C++ is tested against (tests/kernels/test_cpu_ext.py).
 The ops: ``torch.ops.planaria.decode_attention`` (csrc/decode_attention.cpp), decode
 attention read from the paged KV cache in place; ``torch.ops.planaria.fused_moe``
 (csrc/fused_moe.cpp), the MoE expert MLP for small batches, streaming each expert's
-weights once for all its tokens (AVX512-BF16's dot instruction where the CPU has it).
+weights once for all its tokens (AVX512-BF16's dot instruction where the CPU has it);
+``torch.ops.planaria.rms_norm`` (csrc/rms_norm.cpp), RMSNorm in one op.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import torch
 ENV = "PLANARIA_CPU_KERNELS"
 SRC_DIR = Path(__file__).resolve().parent / "csrc"
 EXT_DIR = Path(__file__).resolve().parent / "_ext"
-OPS = ("decode_attention", "fused_moe")
+OPS = ("decode_attention", "fused_moe", "rms_norm")
 _state: dict[str, object] = {}
 
 

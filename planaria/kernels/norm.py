@@ -1,11 +1,17 @@
-"""RMSNorm, computed in float32 like the reference implementations."""
+"""RMSNorm, computed in float32 like the reference implementations; bf16/fp16 on the CPU
+run the one-op C++ kernel of csrc/rms_norm.cpp where it is built (kernels/cpu_ext.py)."""
 
 import torch
+
+from planaria.kernels import cpu_ext
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     # x: [..., H]; weight: [H]
     dtype = x.dtype
+    if (x.device.type == "cpu" and dtype in (torch.bfloat16, torch.float16) and weight.dtype == dtype
+            and x.dim() in (2, 3) and x.stride(-1) == 1 and cpu_ext.available()):
+        return torch.ops.planaria.rms_norm(x, weight, eps)  # one op (kernels/csrc/rms_norm.cpp)
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(dtype)

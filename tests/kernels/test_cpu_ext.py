@@ -167,3 +167,42 @@ def test_fused_moe_bad_arguments_are_errors(bad, match):
         weights = torch.rand(2, 3)
     with pytest.raises(RuntimeError, match=match):
         torch.ops.planaria.fused_moe(x, w13, w2, weights, ids, 0, torch.empty_like(x))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", [(1, 512), (37, 80), (300, 576)])
+def test_rms_norm_matches_the_torch_code(monkeypatch, dtype, shape):
+    from planaria.kernels.norm import rms_norm
+
+    g = torch.Generator().manual_seed(shape[0])
+    x = (torch.randn(*shape, generator=g) * 3).to(dtype)
+    w = (torch.rand(shape[-1], generator=g) + 0.5).to(dtype)
+    got = rms_norm(x, w, 1e-6)
+    assert got.dtype == dtype and got.shape == x.shape
+    monkeypatch.setenv(cpu_ext.ENV, "0")
+    ref = rms_norm(x, w, 1e-6)
+    # the same rounding steps; a sum of squares in another order may move a value by one ulp
+    torch.testing.assert_close(got.float(), ref.float(), rtol=1e-2, atol=1e-2)
+    assert (got == ref).float().mean() > 0.99
+
+
+def test_rms_norm_reads_heads_out_of_the_fused_projection(monkeypatch):
+    from planaria.kernels.norm import rms_norm
+
+    qkv = torch.randn(5, 8 * 16 + 2 * 2 * 16).bfloat16()
+    q = qkv[:, :8 * 16].view(5, 8, 16)  # rows of 16 with a token stride of 192: not contiguous
+    w = torch.rand(16).bfloat16() + 0.5
+    got = rms_norm(q, w, 1e-5)
+    monkeypatch.setenv(cpu_ext.ENV, "0")
+    assert got.is_contiguous()
+    torch.testing.assert_close(got.float(), rms_norm(q, w, 1e-5).float(), rtol=1e-2, atol=1e-2)
+
+
+def test_rms_norm_bad_arguments_are_errors():
+    x = torch.randn(3, 8).bfloat16()
+    with pytest.raises(RuntimeError, match="weight"):
+        torch.ops.planaria.rms_norm(x, torch.ones(7).bfloat16(), 1e-6)
+    with pytest.raises(RuntimeError, match="dtype"):
+        torch.ops.planaria.rms_norm(x, torch.ones(8), 1e-6)
+    with pytest.raises(RuntimeError, match="last dim contiguous"):
+        torch.ops.planaria.rms_norm(x.t(), torch.ones(3).bfloat16(), 1e-6)
