@@ -22,7 +22,7 @@ LOCK := requirements.lock
 STAMP := $(VENV)/.installed
 LATEST_VENV ?= .venv-latest
 
-.PHONY: venv serve test test-all test-latest lock bench bench-vllm-venv clean
+.PHONY: venv serve test test-all test-latest lock bench bench-vllm-venv gpu-wheels clean
 
 # torch first with pip, alone (it finds the CPU wheel where pip is configured for one; its
 # dependencies are in the lock), then the
@@ -100,3 +100,12 @@ bench: $(STAMP)
 
 clean:
 	rm -rf $(VENV) $(LATEST_VENV) $(STATE_DIR)
+
+# Wheels for bench/gpu_check.sh on the device machine (Python 3.12, no network there):
+# the lock's versions of the packages its image lacks.
+GPU_WHEELS := msgspec pyzmq structlog
+gpu-wheels: $(STAMP)
+	mkdir -p .whl
+	$(BIN)/python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+		--platform manylinux_2_28_x86_64 --platform manylinux_2_26_x86_64 --platform manylinux_2_17_x86_64 \
+		--platform manylinux2014_x86_64 -d .whl $(foreach p,$(GPU_WHEELS),$(shell grep -i '^$(p)==' $(LOCK)))

@@ -87,9 +87,10 @@ def run_transformers(hf, prompts):
     return (out.shape[1] - PROMPT_LEN) * len(prompts) / wall
 
 
-def weight_bytes_touched(spec, batch: int) -> int:
-    """Bytes of weights a decode step of `batch` tokens reads (experts: expected hits)."""
-    h, elem = spec.hidden_size, 4
+def weight_bytes_touched(spec, batch: int, elem: int = 4) -> int:
+    """Bytes of weights a decode step of `batch` tokens reads (experts: expected hits);
+    ``elem`` bytes per weight (4: float32, 2: bfloat16)."""
+    h = spec.hidden_size
     attn = h * (spec.num_heads + 2 * spec.num_kv_heads) * spec.head_dim + spec.num_heads * spec.head_dim * h
     expert = 3 * h * spec.moe_intermediate_size
     e, k = spec.num_experts, spec.top_k
