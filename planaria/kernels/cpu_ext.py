@@ -30,6 +30,7 @@ import torch
 ENV = "PLANARIA_CPU_KERNELS"
 SRC_DIR = Path(__file__).resolve().parent / "csrc"
 EXT_DIR = Path(__file__).resolve().parent / "_ext"
+_BUILD_RECIPE = "2: -ffast-math compile only"  # change it when build() changes
 OPS = ("decode_attention", "fused_moe", "rms_norm")
 _state: dict[str, object] = {}
 
@@ -49,7 +50,7 @@ def _sources() -> list[Path]:
 
 
 def tag() -> str:
-    h = hashlib.sha256()
+    h = hashlib.sha256(_BUILD_RECIPE.encode())
     for src in _sources():
         h.update(src.name.encode() + b"\0" + src.read_bytes())
     h.update(torch.__version__.encode() + b"\0" + _cpu_flags().encode())
@@ -70,19 +71,33 @@ def build(verbose: bool = False) -> Path:
         return out
     cxx = os.environ.get("CXX", "g++")
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
-    cmd = [cxx, "-shared", "-fPIC", "-O3", "-march=native", "-ffast-math", "-std=c++17", "-fopenmp",
-           f"-D_GLIBCXX_USE_CXX11_ABI={abi}", "-DTORCH_API_INCLUDE_EXTENSION_H=0"]
-    cmd += [f"-I{p}" for p in cpp_extension.include_paths()]
-    cmd += [str(s) for s in _sources()]
-    cmd += [f"-L{p}" for p in cpp_extension.library_paths()]
-    cmd += [f"-Wl,-rpath,{p}" for p in cpp_extension.library_paths()]
-    cmd += ["-lc10", "-ltorch_cpu", "-ltorch"]
+    # -ffast-math when compiling only (vectorized exp and reductions; the kernels never see
+    # an inf or NaN they must keep), never when linking: linked in, it adds crtfastmath's
+    # constructor, which sets flush-to-zero for the whole process on load (subnormals
+    # become 0 everywhere: tests/kernels/test_cpu_ext.py checks the .so leaves them alone)
+    compile_cmd = [cxx, "-c", "-fPIC", "-O3", "-march=native", "-ffast-math", "-std=c++17", "-fopenmp",
+                   f"-D_GLIBCXX_USE_CXX11_ABI={abi}", "-DTORCH_API_INCLUDE_EXTENSION_H=0"]
+    compile_cmd += [f"-I{p}" for p in cpp_extension.include_paths()]
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        objs, procs = [], []
+        for src in _sources():  # one compiler per source, side by side
+            obj = str(Path(tmp) / (src.stem + ".o"))
+            objs.append(obj)
+            cmd = compile_cmd + [str(src), "-o", obj]
+            if verbose:
+                print(" ".join(cmd), flush=True)
+            procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        for p, cmd in zip(procs, objs):
+            text = p.communicate()[0]
+            if p.returncode:
+                raise subprocess.CalledProcessError(p.returncode, cmd, output=text, stderr=text)
         tmp_so = Path(tmp) / out.name
-        if verbose:
-            print(" ".join(cmd + ["-o", str(tmp_so)]), flush=True)
-        subprocess.run(cmd + ["-o", str(tmp_so)], check=True, capture_output=not verbose, text=True)
+        link = [cxx, "-shared", "-fopenmp", *objs, "-o", str(tmp_so)]
+        link += [f"-L{p}" for p in cpp_extension.library_paths()]
+        link += [f"-Wl,-rpath,{p}" for p in cpp_extension.library_paths()]
+        link += ["-lc10", "-ltorch_cpu", "-ltorch"]
+        subprocess.run(link, check=True, capture_output=not verbose, text=True)
         os.replace(tmp_so, out)
     for old in EXT_DIR.iterdir():  # builds for other sources / torch / hosts
         if old.is_dir() and old.name != out.parent.name:

@@ -130,7 +130,7 @@ def _few_pairs(x, w13, w2, topk_weights, topk_ids, expert_offset, packed):
             torch.mul(down, we[:, None], out=pair_out[ps[0]:ps[0] + 1])
         else:
             pair_out.index_copy_(0, idx, down * we[:, None])
-    return pair_out.view(T, K, -1).sum(dim=1)
+    return pair_out.view(T, K, x.shape[1]).sum(dim=1)  # T may be 0 (an idle EP rank's dummy step)
 
 
 def _packed_linear(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:

@@ -206,3 +206,26 @@ def test_rms_norm_bad_arguments_are_errors():
         torch.ops.planaria.rms_norm(x, torch.ones(8), 1e-6)
     with pytest.raises(RuntimeError, match="last dim contiguous"):
         torch.ops.planaria.rms_norm(x.t(), torch.ones(3).bfloat16(), 1e-6)
+
+
+def test_loading_the_library_leaves_subnormals_alone():
+    # a .so linked with -ffast-math sets flush-to-zero for the whole process when loaded
+    # (crtfastmath): every subnormal float in the engine would become 0
+    import subprocess
+    import sys
+
+    code = ("import torch; from planaria.kernels import cpu_ext; assert cpu_ext.available(); "
+            "x = torch.tensor([1e-40], dtype=torch.float32); assert (x * 1.0).item() != 0.0, 'FTZ'; "
+            "assert 5e-324 * 1.0 > 0.0, 'DAZ'")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_no_tokens_gives_an_empty_result(dtype):
+    # an idle expert-parallel rank's dummy step runs its MoE layers on zero tokens
+    from planaria.kernels.moe import grouped_expert_mlp
+
+    x = torch.empty(0, 32, dtype=dtype)
+    w13, w2 = torch.randn(4, 64, 32).to(dtype), torch.randn(4, 32, 32).to(dtype)
+    out = grouped_expert_mlp(x, w13, w2, torch.empty(0, 2, dtype=dtype), torch.empty(0, 2, dtype=torch.long), 4)
+    assert out.shape == (0, 32)
