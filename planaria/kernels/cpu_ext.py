@@ -51,7 +51,7 @@ def _sources() -> list[Path]:
 
 def tag() -> str:
     h = hashlib.sha256(_BUILD_RECIPE.encode())
-    for src in _sources():
+    for src in sorted(SRC_DIR.glob("*.cpp")) + sorted(SRC_DIR.glob("*.h")):
         h.update(src.name.encode() + b"\0" + src.read_bytes())
     h.update(torch.__version__.encode() + b"\0" + _cpu_flags().encode())
     return h.hexdigest()[:16]

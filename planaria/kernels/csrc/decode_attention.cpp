@@ -16,6 +16,8 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include "widen.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -24,16 +26,7 @@
 
 namespace {
 
-inline void widen(const float* src, float* dst, int64_t n) { std::memcpy(dst, src, n * sizeof(float)); }
-inline void widen(const c10::BFloat16* src, float* dst, int64_t n) {
-  const uint16_t* s = reinterpret_cast<const uint16_t*>(src);
-  uint32_t* d = reinterpret_cast<uint32_t*>(dst);
-#pragma omp simd
-  for (int64_t i = 0; i < n; ++i) d[i] = static_cast<uint32_t>(s[i]) << 16;
-}
-inline void widen(const c10::Half* src, float* dst, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
-}
+using planaria_cpu::widen;
 
 template <typename T>
 void decode_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,

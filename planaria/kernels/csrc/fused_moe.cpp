@@ -18,6 +18,8 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include "widen.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -35,16 +37,7 @@ inline float to_f(float v) { return v; }
 inline float to_f(c10::BFloat16 v) { return static_cast<float>(v); }
 inline float to_f(c10::Half v) { return static_cast<float>(v); }
 
-inline void widen(const float* src, float* dst, int64_t n) { std::memcpy(dst, src, n * sizeof(float)); }
-inline void widen(const c10::BFloat16* src, float* dst, int64_t n) {
-  const uint16_t* s = reinterpret_cast<const uint16_t*>(src);
-  uint32_t* d = reinterpret_cast<uint32_t*>(dst);
-#pragma omp simd
-  for (int64_t i = 0; i < n; ++i) d[i] = static_cast<uint32_t>(s[i]) << 16;
-}
-inline void widen(const c10::Half* src, float* dst, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
-}
+using planaria_cpu::widen;
 
 // out[j] = w . xs[j] for n vectors of length len; w is widened once into wf (scratch).
 template <typename T>
