@@ -192,13 +192,17 @@ class ModelRunner:
             if not logit_rows:
                 self.forward_s += time.perf_counter() - f0
             if logit_rows:
-                rows = torch.tensor(logit_rows, dtype=torch.long, device=self.device)
-                logits = self.model.compute_logits(hidden.index_select(0, rows))  # [N, V]
                 reqs: list[Request] = [scheduled[i].req for i in sample_slots]
+                smd = SamplingMetadata.build(reqs, self.spec.vocab_size, self.device)
+                if len(logit_rows) == hidden.shape[0]:  # every row samples (a decode-only batch)
+                    last = hidden
+                else:
+                    last = hidden.index_select(0, torch.tensor(logit_rows, dtype=torch.long, device=self.device))
+                # argmax alone reads the logits in the model's dtype (no float32 copy)
+                logits = self.model.compute_logits(last, float32=grammar is not None or not smd.plain_greedy)
                 if grammar is not None:
                     grammar.apply(logits, reqs)
                 self.forward_s += time.perf_counter() - f0
-                smd = SamplingMetadata.build(reqs, self.spec.vocab_size, self.device)
                 out = self.sampler(logits, smd)
                 tokens = out.sampled_token_ids.tolist()
                 stuck = out.rows_without_token()

@@ -31,7 +31,7 @@ ENV = "PLANARIA_CPU_KERNELS"
 SRC_DIR = Path(__file__).resolve().parent / "csrc"
 EXT_DIR = Path(__file__).resolve().parent / "_ext"
 _BUILD_RECIPE = "2: -ffast-math compile only"  # change it when build() changes
-OPS = ("decode_attention", "fused_moe", "rms_norm")
+OPS = ("argmax_rows", "decode_attention", "fused_moe", "rms_norm")
 _state: dict[str, object] = {}
 
 

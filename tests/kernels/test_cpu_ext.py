@@ -1,6 +1,7 @@
-"""The C++ decode attention kernel (kernels/csrc/decode_attention.cpp, built by
-kernels/cpu_ext.py) against float64 attention over the same paged cache, and its argument
-checks: a bad block table or length is an error, never a read outside the cache."""
+"""The C++ CPU kernels (kernels/csrc/, built by kernels/cpu_ext.py) against float64 or
+the torch code: decode attention over the paged cache, fused MoE, RMSNorm, argmax; and
+their argument checks: a bad block table or length is an error, never a read outside the
+cache."""
 
 import pytest
 import torch
@@ -229,3 +230,44 @@ def test_no_tokens_gives_an_empty_result(dtype):
     w13, w2 = torch.randn(4, 64, 32).to(dtype), torch.randn(4, 32, 32).to(dtype)
     out = grouped_expert_mlp(x, w13, w2, torch.empty(0, 2, dtype=dtype), torch.empty(0, 2, dtype=torch.long), 4)
     assert out.shape == (0, 32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", [(1, 1), (3, 100), (5, 256), (7, 1000), (64, 49152)])
+def test_argmax_matches_torch(dtype, shape):
+    g = torch.Generator().manual_seed(shape[1])
+    x = (torch.randn(*shape, generator=g) * 4).to(dtype)
+    assert torch.equal(torch.ops.planaria.argmax_rows(x), x.argmax(-1))
+    x = torch.randint(-3, 4, shape, generator=g).to(dtype)  # many ties: the first index wins
+    assert torch.equal(torch.ops.planaria.argmax_rows(x), x.argmax(-1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_argmax_nan_inf_and_signed_zeros(dtype):
+    x = torch.randn(8, 700).to(dtype)
+    x[1, 5] = x[1, 600] = float("nan")  # NaN counts as the maximum, the first one wins
+    x[2] = 0.0
+    x[2, 3] = -0.0  # -0 == +0: the first index
+    x[3] = -0.0
+    x[3, 10] = 0.0
+    x[4] = float("-inf")
+    x[5, 400] = x[5, 699] = float("inf")
+    x[6] = x[6, 0]
+    x[7, 699] = float("nan")  # in the last, partial chunk
+    assert torch.equal(torch.ops.planaria.argmax_rows(x), x.argmax(-1))
+
+
+def test_argmax_rows_takes_the_kernel_and_bad_arguments_are_errors(monkeypatch):
+    from planaria.kernels.sampling import argmax_rows
+
+    x = torch.randn(4, 4096).bfloat16()
+    monkeypatch.setenv(cpu_ext.ENV, "0")
+    ref = argmax_rows(x)  # the torch code (block maxima)
+    monkeypatch.delenv(cpu_ext.ENV)
+    assert torch.equal(argmax_rows(x), ref)
+    with pytest.raises(RuntimeError, match="contiguous"):
+        torch.ops.planaria.argmax_rows(x.t())
+    with pytest.raises(RuntimeError, match="V > 0"):
+        torch.ops.planaria.argmax_rows(torch.empty(3, 0))
+    with pytest.raises(RuntimeError, match="float32, bfloat16 or float16"):
+        torch.ops.planaria.argmax_rows(torch.zeros(2, 3, dtype=torch.long))

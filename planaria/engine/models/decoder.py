@@ -189,7 +189,11 @@ class DecoderModel(nn.Module):
     def lm_head_weight(self) -> torch.Tensor:
         return self.embed.weight if self.lm_head is None else self.lm_head.weight
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, H] -> [N, V] float32
+    def compute_logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:  # [N, H] -> [N, V]
+        """float32 logits, or (float32=False) the lm_head's own dtype: plain greedy rows
+        only take their argmax, which needs no float32 copy."""
         if self.lm_head_packed is not None:
-            return packing.linear(hidden, self.lm_head_packed, None).float()
-        return F.linear(hidden, self.lm_head_weight()).float()
+            logits = packing.linear(hidden, self.lm_head_packed, None)
+        else:
+            logits = F.linear(hidden, self.lm_head_weight())
+        return logits.float() if float32 else logits
