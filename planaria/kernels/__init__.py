@@ -8,9 +8,11 @@ configs lives in the engine: the sampler that turns a step's SamplingMetadata in
 and Logprobs records is engine/sampler.py, the rotary frequencies of a checkpoint's config
 are engine/models/rope.py.
 
-One C++ kernel, for the CPU: decode attention in bfloat16/float16 read from the paged KV
-cache in place (csrc/decode_attention.cpp), built at install by cpu_ext.py and loaded if
-present; the torch code stays the fallback and the reference it is tested against. There
+C++ kernels for the CPU (csrc/, built at install by cpu_ext.py and loaded if present):
+decode attention read from the paged KV cache in place and the fused MoE experts at
+decode batches (float32, bfloat16, float16), RMSNorm (bfloat16/float16; float32 keeps the
+torch code, bit-identical to transformers), the greedy argmax; the torch code stays the
+fallback and the reference they are tested against. There
 are no separate GPU kernels (no Triton or CUDA code): the same torch code runs on CPU and
 on CUDA. tests/kernels/test_*.py check each kernel on
 CPU against naive references; tests/kernels/test_kernels_gpu.py (marked ``gpu``, skipped

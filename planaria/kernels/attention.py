@@ -7,15 +7,16 @@ prefix-cache hit (possibly computed earlier in this same batch) reads the same v
 
 Batch order: decode sequences (one query token each) first, then prefill chunks.
 
-Decode in bfloat16/float16 on CPU reads the paged cache in place with the C++ kernel of
+Decode on the CPU reads the paged cache in place with the C++ kernel of
 kernels/csrc/decode_attention.cpp where it is built (kernels/cpu_ext.py; 5x faster than
-the torch code below at one sequence, 1.4-2x at 16-64). Without it, it does not go through ``scaled_dot_product_attention``:
-its CPU flash kernel, with one query row, a mask and GQA, ran 6-15x slower than two batched
-matmuls (measured on an AMD EPYC with AVX512-BF16: 6.2 ms against 0.4 ms per layer at 64
-sequences of 192 tokens, SmolLM2's 9 query and 3 KV heads), half the step's time.
-``_decode_gqa`` computes the scores per KV head for its group of query heads (no repeated
-K/V), softmax in float32, then the weighted sum. float32 and GPUs keep SDPA (the fp32
-parity tests compare against it exactly; CUDA's kernels are fast).
+the torch code below at one sequence, 1.4-2x at 16-64), in float32 too (the float32
+parity tests against transformers still agree token for token). Without it, bf16/fp16
+decode does not go through ``scaled_dot_product_attention``: its CPU flash kernel, with
+one query row, a mask and GQA, ran 6-15x slower than two batched matmuls (measured on an
+AMD EPYC with AVX512-BF16: 6.2 ms against 0.4 ms per layer at 64 sequences of 192 tokens,
+SmolLM2's 9 query and 3 KV heads), half the step's time. ``_decode_gqa`` computes the
+scores per KV head for its group of query heads (no repeated K/V), softmax in float32,
+then the weighted sum. float32 without the kernels, and GPUs, keep SDPA.
 """
 
 from __future__ import annotations
@@ -113,7 +114,7 @@ def paged_attention(
     v_cache.index_copy_(0, md.slot_mapping, v)
     out = torch.empty_like(q)
     B = md.num_decode
-    if B and q.device.type == "cpu" and q.dtype != torch.float32 and cpu_ext.available():
+    if B and q.device.type == "cpu" and cpu_ext.available():
         # in place from the paged cache (kernels/csrc/decode_attention.cpp): no gather
         torch.ops.planaria.decode_attention(q[:B].contiguous(), k_cache, v_cache, md.decode_blocks,
                                             md.decode_ctx_lens, md.block_size, scale, out[:B])

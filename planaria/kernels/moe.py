@@ -31,7 +31,7 @@ def grouped_expert_mlp(
     expert_offset: int = 0,  # global id of local expert 0
     packed: list[tuple[torch.Tensor, torch.Tensor]] | None = None,  # oneDNN-packed (w13[e], w2[e])
 ) -> torch.Tensor:
-    """bfloat16/float16 on the CPU at small batches run the C++ kernel (csrc/fused_moe.cpp,
+    """On the CPU (float32, bfloat16, float16) small batches run the C++ kernel (csrc/fused_moe.cpp,
     built by cpu_ext.py; the torch code below is its reference). Otherwise:
     pairs are grouped by expert into a padded [E, n_max, H] batch and multiplied with
     one batched matmul per projection: on CPU the experts' skinny GEMMs then run side by
@@ -43,7 +43,7 @@ def grouped_expert_mlp(
     H = x.shape[1]
     num_local = w13.shape[0]
     inter = w2.shape[2]
-    if (x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float16)
+    if (x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16, torch.float16)
             and T * K <= _CPP_PAIRS_PER_EXPERT * num_local and w13.is_contiguous() and w2.is_contiguous()
             and cpu_ext.available()):
         out = torch.empty_like(x)
@@ -138,7 +138,7 @@ def _packed_linear(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
 
 
 _MAX_PAD_FACTOR = 4
-# bf16/fp16 on the CPU with the C++ kernels built: csrc/fused_moe.cpp while an expert has
+# on the CPU with the C++ kernels built: csrc/fused_moe.cpp while an expert has
 # at most this many pairs on average (AMD EPYC AVX512-BF16: 5.4x the torch code at 32
 # pairs over 16 experts, 2x at 128, 1.25x at 256; 4 experts of SmolLM2's MoE: even at 64)
 _CPP_PAIRS_PER_EXPERT = 16

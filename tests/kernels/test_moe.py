@@ -10,6 +10,13 @@ from planaria.kernels.moe import grouped_expert_mlp, route
 from tests.kernels._cases import moe_case, moe_reference, route_reference
 
 
+@pytest.fixture(autouse=True)
+def torch_code(monkeypatch):
+    """This file tests the torch code; the C++ kernel that replaces it at small batches
+    on the CPU is checked against it in test_cpu_ext.py."""
+    monkeypatch.setenv(cpu_ext.ENV, "0")
+
+
 @pytest.fixture
 def bmm_calls(monkeypatch):
     """Counts torch.bmm calls (the real bmm still runs) to tell the two paths apart."""
@@ -76,7 +83,6 @@ def test_few_pairs_path_equals_the_general_loop_bit_for_bit(monkeypatch, dtype, 
     # decode at one to four tokens groups its pairs in Python (_few_pairs); the general
     # path's per-expert loop must give the very same tensor, on a full engine and on an
     # expert-parallel rank's slice of the experts
-    monkeypatch.setenv(cpu_ext.ENV, "0")  # the torch code (the C++ kernel: test_cpu_ext.py)
     case = moe_case(num_tokens, seed=11 + num_tokens)
     w, ids = route(case.router_logits.to(dtype), case.top_k, True)
     args = (case.x.to(dtype), case.w13[offset:offset + num_local].to(dtype),
