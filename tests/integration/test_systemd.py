@@ -98,9 +98,12 @@ def _install_unit(unit_dir: Path, args: str) -> None:
     text = text.replace("WatchdogSec=30", "WatchdogSec=4").replace("RestartSec=2", "RestartSec=1")
     text = text.replace("TimeoutStopSec=60", "TimeoutStopSec=40\nTimeoutAbortSec=3")
     text = text.replace("\n[Service]\n", "\n[Service]\nEnvironment=OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1\n")
-    if REPO.is_relative_to("/tmp") or _python_home().is_relative_to("/tmp"):
-        # a checkout cloned under /tmp: PrivateTmp= would hide its venv from the service
-        text = text.replace("PrivateTmp=yes", "PrivateTmp=no")
+    # A checkout (or Python) under /tmp: the service's private /tmp would hide its venv, and
+    # DynamicUser= implies PrivateTmp=, so the paths are bound into the service's namespace.
+    under_tmp = [p for p in (REPO, _python_home()) if p.is_relative_to("/tmp")]
+    if under_tmp:
+        text = text.replace("\n[Service]\n", "\n[Service]\nBindReadOnlyPaths="
+                            + " ".join(str(p) for p in under_tmp) + "\n")
     assert f"ExecStart={VENV}/bin/planaria serve" in text
     (unit_dir / "planaria.service").write_text(text)
 
