@@ -12,7 +12,9 @@ The ops: ``torch.ops.planaria.decode_attention`` (csrc/decode_attention.cpp), de
 attention read from the paged KV cache in place; ``torch.ops.planaria.fused_moe``
 (csrc/fused_moe.cpp), the MoE expert MLP for small batches, streaming each expert's
 weights once for all its tokens (AVX512-BF16's dot instruction where the CPU has it);
-``torch.ops.planaria.rms_norm`` (csrc/rms_norm.cpp), RMSNorm in one op.
+``torch.ops.planaria.rms_norm`` (csrc/rms_norm.cpp), RMSNorm in one op;
+``torch.ops.planaria.argmax_rows`` (csrc/argmax.cpp), greedy sampling's argmax;
+``torch.ops.planaria.skinny_linear`` (csrc/skinny_linear.cpp), linears at a few rows.
 """
 
 from __future__ import annotations
@@ -31,11 +33,12 @@ ENV = "PLANARIA_CPU_KERNELS"
 SRC_DIR = Path(__file__).resolve().parent / "csrc"
 EXT_DIR = Path(__file__).resolve().parent / "_ext"
 _BUILD_RECIPE = "2: -ffast-math compile only"  # change it when build() changes
-OPS = ("argmax_rows", "decode_attention", "fused_moe", "rms_norm")
+OPS = ("argmax_rows", "decode_attention", "fused_moe", "rms_norm", "skinny_linear")
 _state: dict[str, object] = {}
 
 
-def _cpu_flags() -> str:
+def cpu_flags() -> str:
+    """/proc/cpuinfo's flags, sorted, space-separated ("" where unreadable)."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("flags"):
@@ -53,7 +56,7 @@ def tag() -> str:
     h = hashlib.sha256(_BUILD_RECIPE.encode())
     for src in sorted(SRC_DIR.glob("*.cpp")) + sorted(SRC_DIR.glob("*.h")):
         h.update(src.name.encode() + b"\0" + src.read_bytes())
-    h.update(torch.__version__.encode() + b"\0" + _cpu_flags().encode())
+    h.update(torch.__version__.encode() + b"\0" + cpu_flags().encode())
     return h.hexdigest()[:16]
 
 

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from planaria.kernels import cpu_ext
+from planaria.kernels.linear import packed_linear
 
 
 def route(router_logits: torch.Tensor, top_k: int, renormalize: bool):
@@ -85,9 +86,9 @@ def grouped_expert_mlp(
             for e, n in enumerate(local_counts):
                 if n:
                     xe = x.index_select(0, token_of[start:start + n])  # [n, H]
-                    gate_up = F.linear(xe, w13[e]) if packed is None else _packed_linear(xe, packed[e][0])
+                    gate_up = F.linear(xe, w13[e]) if packed is None else packed_linear(xe, packed[e][0])
                     h = F.silu(gate_up[:, :inter]).mul_(gate_up[:, inter:])
-                    down = F.linear(h, w2[e]) if packed is None else _packed_linear(h, packed[e][1])
+                    down = F.linear(h, w2[e]) if packed is None else packed_linear(h, packed[e][1])
                     pair_out[start:start + n] = down * weight_of[start:start + n, None]
                     start += n
     # Un-sort and sum each token's K expert outputs (no scatter-add).
@@ -123,9 +124,9 @@ def _few_pairs(x, w13, w2, topk_weights, topk_ids, expert_offset, packed):
         else:
             idx = torch.tensor(ps, device=x.device)
             xe, we = x.index_select(0, idx // K), weights.index_select(0, idx)
-        gate_up = F.linear(xe, w13[e]) if packed is None else _packed_linear(xe, packed[e][0])
+        gate_up = F.linear(xe, w13[e]) if packed is None else packed_linear(xe, packed[e][0])
         h = F.silu(gate_up[:, :inter]).mul_(gate_up[:, inter:])
-        down = F.linear(h, w2[e]) if packed is None else _packed_linear(h, packed[e][1])
+        down = F.linear(h, w2[e]) if packed is None else packed_linear(h, packed[e][1])
         if len(ps) == 1:
             torch.mul(down, we[:, None], out=pair_out[ps[0]:ps[0] + 1])
         else:
@@ -133,8 +134,6 @@ def _few_pairs(x, w13, w2, topk_weights, topk_ids, expert_offset, packed):
     return pair_out.view(T, K, x.shape[1]).sum(dim=1)  # T may be 0 (an idle EP rank's dummy step)
 
 
-def _packed_linear(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
 
 
 _MAX_PAD_FACTOR = 4

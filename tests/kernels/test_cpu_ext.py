@@ -271,3 +271,59 @@ def test_argmax_rows_takes_the_kernel_and_bad_arguments_are_errors(monkeypatch):
         torch.ops.planaria.argmax_rows(torch.empty(3, 0))
     with pytest.raises(RuntimeError, match="float32, bfloat16 or float16"):
         torch.ops.planaria.argmax_rows(torch.zeros(2, 3, dtype=torch.long))
+
+
+# skinny_linear: every tail (rows of x past a multiple of 4, weight rows past a multiple
+# of 4, K past a multiple of the 16 / 32 a vector holds), with and without bias
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-6), (torch.bfloat16, 8e-3), (torch.float16, 1e-3)])
+@pytest.mark.parametrize("M,N,K", [(1, 1, 1), (1, 7, 33), (2, 9, 31), (3, 4, 64), (4, 13, 100), (5, 6, 17),
+                                   (7, 129, 576), (16, 960, 576), (17, 33, 1536), (1, 49152, 64)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_skinny_linear_matches_float64(dtype, tol, M, N, K, with_bias):
+    g = torch.Generator().manual_seed(M * 1000 + N + K)
+    x = torch.randn(M, K, generator=g).to(dtype)
+    w = torch.randn(N, K, generator=g).to(dtype)
+    b = torch.randn(N, generator=g).to(dtype) if with_bias else None
+    ref = torch.nn.functional.linear(x.double(), w.double(), None if b is None else b.double())
+    got = torch.ops.planaria.skinny_linear(x, w, b)
+    assert got.dtype == dtype and got.shape == (M, N)
+    # one rounding to the dtype at the end, sums in float32: relative to the row's scale
+    scale = ref.abs().amax(dim=1, keepdim=True).clamp_min(1.0)
+    assert ((got.double() - ref).abs() / scale).max().item() < tol
+
+
+def test_skinny_linear_no_rows_and_bad_arguments():
+    w = torch.randn(8, 16)
+    assert torch.ops.planaria.skinny_linear(torch.empty(0, 16), w, None).shape == (0, 8)
+    with pytest.raises(RuntimeError, match="contiguous"):
+        torch.ops.planaria.skinny_linear(torch.randn(16, 2).t(), w, None)
+    with pytest.raises(RuntimeError, match="columns"):
+        torch.ops.planaria.skinny_linear(torch.randn(2, 15), w, None)
+    with pytest.raises(RuntimeError, match="one dtype"):
+        torch.ops.planaria.skinny_linear(torch.randn(2, 16).bfloat16(), w, None)
+    with pytest.raises(RuntimeError, match="bias"):
+        torch.ops.planaria.skinny_linear(torch.randn(2, 16), w, torch.randn(7))
+    with pytest.raises(RuntimeError, match="float32, bfloat16 or float16"):
+        torch.ops.planaria.skinny_linear(torch.zeros(2, 16, dtype=torch.long), w.long(), None)
+
+
+def test_linear_takes_the_kernel_up_to_max_rows(monkeypatch):
+    from planaria.kernels import linear as lin
+
+    calls = []
+    real = torch.ops.planaria.skinny_linear
+    monkeypatch.setattr(torch.ops.planaria, "skinny_linear", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    w, b = torch.randn(64, 96), torch.randn(64)
+    limit = lin.max_rows(torch.float32)
+    for m in (1, limit, limit + 1):
+        x = torch.randn(max(m, 1), 96)
+        assert torch.allclose(lin.linear(x, w, b), torch.nn.functional.linear(x, w, b), atol=1e-5)
+    assert calls == [m for m in (1, limit) if 0 < m <= limit]
+    monkeypatch.setenv(cpu_ext.ENV, "0")
+    assert lin.max_rows(torch.float32) == 0
+    lin.linear(torch.randn(1, 96), w, b)
+    assert len(calls) == (2 if limit else 0)
+    monkeypatch.delenv(cpu_ext.ENV)
+    assert lin.max_rows(torch.float16) == 0  # float16 keeps torch's GEMM
+    if "avx512f" in cpu_ext.cpu_flags().split():
+        assert limit == 16

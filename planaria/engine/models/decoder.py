@@ -18,8 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from planaria.engine.models import packing
 from planaria.kernels.attention import AttentionMetadata, paged_attention
+from planaria.kernels.linear import linear
 from planaria.kernels.moe import grouped_expert_mlp, route
 from planaria.kernels.norm import RMSNorm
 from planaria.kernels.rotary import RotaryEmbedding, apply_rotary
@@ -38,9 +38,7 @@ class Linear(nn.Module):
         self.packed: torch.Tensor | None = None  # oneDNN-packed weight (engine/models/packing.py)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
-        if self.packed is not None:
-            return packing.linear(x, self.packed, self.bias)
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.packed)
 
 
 class Embedding(nn.Module):
@@ -192,8 +190,5 @@ class DecoderModel(nn.Module):
     def compute_logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:  # [N, H] -> [N, V]
         """float32 logits, or (float32=False) the lm_head's own dtype: plain greedy rows
         only take their argmax, which needs no float32 copy."""
-        if self.lm_head_packed is not None:
-            logits = packing.linear(hidden, self.lm_head_packed, None)
-        else:
-            logits = F.linear(hidden, self.lm_head_weight())
+        logits = linear(hidden, self.lm_head_weight(), None, self.lm_head_packed)
         return logits.float() if float32 else logits

@@ -23,6 +23,7 @@ import os
 import torch
 
 from planaria.kernels import cpu_ext
+from planaria.kernels.linear import packed_linear
 
 ENV = "PLANARIA_CPU_PACKED_LINEAR"
 
@@ -36,8 +37,7 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
 
 
-def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+linear = packed_linear  # F.linear with a packed weight
 
 
 def pack_linears(model: torch.nn.Module, device: torch.device, dtype: torch.dtype, experts: bool = True) -> int:
