@@ -51,6 +51,19 @@ def test_matches_float64_attention_over_the_paged_cache(dtype, tol, Hq, Hkv):
     torch.testing.assert_close(out.double(), ref, rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2), (torch.float16, 2e-3)])
+@pytest.mark.parametrize("Hq, Hkv, D", [(10, 2, 80), (8, 4, 128), (6, 1, 40), (3, 3, 16)])
+def test_head_sizes_and_group_sizes(dtype, tol, Hq, Hkv, D):
+    # head sizes past one 64-value block or with a vector tail, groups of query heads past
+    # four (the kernel holds up to 4 heads x 64 values in registers), 16-key groups' tails
+    lens = [1, 15, 33, 130]
+    q, kc, vc, tables, ctx = _case(Hq + D, len(lens), Hq, Hkv, D, 8, lens, dtype)
+    out = torch.empty_like(q)
+    torch.ops.planaria.decode_attention(q, kc, vc, tables, ctx, 8, D ** -0.5, out)
+    ref = _reference(q, kc, vc, tables, ctx, 8, D ** -0.5)
+    torch.testing.assert_close(out.double(), ref, rtol=tol, atol=tol)
+
+
 def test_slots_past_a_sequence_are_not_read():
     # a NaN in every slot past each sequence's length (the block's tail, the padding of a
     # shorter table) must not reach the output

@@ -6,7 +6,13 @@
 // [B, Hq, D]. Query head h reads KV head h / (Hq / Hkv). Scores, softmax and the weighted
 // sum run in float32; bfloat16 / float16 values are widened as they are read. Work is
 // split over (sequence, KV head) pairs with at::parallel_for (torch's own thread pool);
-// each pair reads its keys and values once for its whole group of query heads.
+// each pair reads its keys and values once for its whole group of query heads. With
+// AVX-512 (float32) or AVX512-BF16 (bfloat16): scores for 16 keys at a time, each dot
+// product left in a vector and the 16 summed by one transpose-and-add tree (bf16 keys
+// read by the dot instruction as they are); the weighted values with up to 4 heads x 64
+// values of float32 accumulators in registers over all the tokens. Token slots are
+// worked out once per pair, block by block (no division per token). float16 and
+// builds without those instructions take the plain loops below.
 // planaria/kernels/cpu_ext.py builds this file; the torch code in kernels/attention.py is
 // the reference it is tested against (tests/kernels/test_cpu_ext.py).
 
@@ -16,17 +22,151 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include "tile_dot.h"
 #include "widen.h"
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 namespace {
 
 using planaria_cpu::widen;
+
+#if defined(__AVX512F__)
+// lane j of the result = the sum of v[j]'s 16 lanes (a transpose-and-add tree: 45
+// instructions for 16 sums, where 16 separate reductions take about 160)
+inline __m512 hsum16(const __m512* v) {
+  __m512 w[8], x[4];
+#pragma GCC unroll 8
+  for (int i = 0; i < 8; ++i)
+    w[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+#pragma GCC unroll 4
+  for (int i = 0; i < 4; ++i) {
+    const __m512d c = _mm512_castps_pd(w[2 * i]), d = _mm512_castps_pd(w[2 * i + 1]);
+    x[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(c, d)), _mm512_castpd_ps(_mm512_unpackhi_pd(c, d)));
+  }
+  // each 128-bit lane of x[i] now holds 4 partial sums of sources 4i .. 4i + 3
+  const __m512 y0 = _mm512_add_ps(_mm512_shuffle_f32x4(x[0], x[1], 0x88), _mm512_shuffle_f32x4(x[0], x[1], 0xDD));
+  const __m512 y1 = _mm512_add_ps(_mm512_shuffle_f32x4(x[2], x[3], 0x88), _mm512_shuffle_f32x4(x[2], x[3], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(y0, y1, 0x88), _mm512_shuffle_f32x4(y0, y1, 0xDD));
+}
+
+// the 16 lanes whose sum is a . b (length D), float32 FMA or AVX512-BF16's dot
+template <typename T>
+inline __m512 dot_lanes(const T* a, const T* b, int64_t D) {
+  __m512 acc = _mm512_setzero_ps();
+  if constexpr (std::is_same_v<T, float>) {
+    for (int64_t d = 0; d < D; d += 16) {
+      const __mmask16 m = D - d >= 16 ? __mmask16(0xffff) : __mmask16((1u << (D - d)) - 1);
+      acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, a + d), _mm512_maskz_loadu_ps(m, b + d), acc);
+    }
+  } else {
+#if defined(__AVX512BF16__)
+    for (int64_t d = 0; d < D; d += 32) {
+      const __mmask32 m = D - d >= 32 ? __mmask32(0xffffffffu) : __mmask32((1u << (D - d)) - 1);
+      acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_maskz_loadu_epi16(m, a + d),
+                             (__m512bh)_mm512_maskz_loadu_epi16(m, b + d));
+    }
+#endif
+  }
+  return acc;
+}
+
+// scores[g * ctx + t] = scale * q_g . k_t for G query heads, 16 keys at a time
+template <typename T>
+inline void scores_fast(const T* q, const T* kp, int64_t slot_stride, int64_t koff, const int64_t* slots,
+                        int64_t ctx, int64_t G, int64_t D, float scale, float* scores) {
+  const __m512 vscale = _mm512_set1_ps(scale);
+  const T* krow[16];
+  __m512 v[16];
+  for (int64_t t0 = 0; t0 < ctx; t0 += 16) {
+    const int n = static_cast<int>(std::min<int64_t>(16, ctx - t0));
+    for (int j = 0; j < n; ++j) krow[j] = kp + slots[t0 + j] * slot_stride + koff;
+    const __mmask16 m = n == 16 ? __mmask16(0xffff) : __mmask16((1u << n) - 1);
+    for (int64_t g = 0; g < G; ++g) {
+#pragma GCC unroll 16
+      for (int j = 0; j < 16; ++j) v[j] = j < n ? dot_lanes<T>(q + g * D, krow[j], D) : _mm512_setzero_ps();
+      _mm512_mask_storeu_ps(scores + g * ctx + t0, m, _mm512_mul_ps(hsum16(v), vscale));
+    }
+  }
+}
+// 16 values of a row as float32 (masked tail)
+template <typename T>
+inline __m512 load16(const T* p, __mmask16 m) {
+  if constexpr (std::is_same_v<T, float>) {
+    return _mm512_maskz_loadu_ps(m, p);
+  } else {
+    const __m256i h = _mm256_maskz_loadu_epi16(m, p);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  }
+}
+
+// out_g[d0 .. d0 + 16 DC) = sum_t p_g[t] v_t[same] for GN query heads: GN x DC float32
+// accumulators held in registers over all the tokens, each value row read once
+template <typename T, int GN, int DC>
+inline void weighted_values(const T* vp, int64_t slot_stride, int64_t voff, const int64_t* slots, int64_t ctx,
+                            int64_t D, int64_t d0, const float* p, int64_t p_stride, float* out) {
+  __mmask16 m[DC];
+  for (int c = 0; c < DC; ++c) {
+    const int64_t left = D - d0 - 16 * c;
+    m[c] = left >= 16 ? __mmask16(0xffff) : __mmask16((1u << left) - 1);
+  }
+  __m512 acc[GN][DC];
+#pragma GCC unroll 4
+  for (int g = 0; g < GN; ++g)
+#pragma GCC unroll 4
+    for (int c = 0; c < DC; ++c) acc[g][c] = _mm512_setzero_ps();
+  for (int64_t t = 0; t < ctx; ++t) {
+    const T* row = vp + slots[t] * slot_stride + voff + d0;
+    __m512 v[DC];
+#pragma GCC unroll 4
+    for (int c = 0; c < DC; ++c) v[c] = load16<T>(row + 16 * c, m[c]);
+#pragma GCC unroll 4
+    for (int g = 0; g < GN; ++g) {
+      const __m512 pg = _mm512_set1_ps(p[g * p_stride + t]);
+#pragma GCC unroll 4
+      for (int c = 0; c < DC; ++c) acc[g][c] = _mm512_fmadd_ps(pg, v[c], acc[g][c]);
+    }
+  }
+#pragma GCC unroll 4
+  for (int g = 0; g < GN; ++g)
+#pragma GCC unroll 4
+    for (int c = 0; c < DC; ++c) _mm512_mask_storeu_ps(out + g * D + d0 + 16 * c, m[c], acc[g][c]);
+}
+
+template <typename T, int GN>
+inline void weighted_values_d(int dc, const T* vp, int64_t slot_stride, int64_t voff, const int64_t* slots,
+                              int64_t ctx, int64_t D, int64_t d0, const float* p, int64_t p_stride, float* out) {
+  switch (dc) {
+    case 4: weighted_values<T, GN, 4>(vp, slot_stride, voff, slots, ctx, D, d0, p, p_stride, out); break;
+    case 3: weighted_values<T, GN, 3>(vp, slot_stride, voff, slots, ctx, D, d0, p, p_stride, out); break;
+    case 2: weighted_values<T, GN, 2>(vp, slot_stride, voff, slots, ctx, D, d0, p, p_stride, out); break;
+    default: weighted_values<T, GN, 1>(vp, slot_stride, voff, slots, ctx, D, d0, p, p_stride, out); break;
+  }
+}
+
+// acc_g = sum_t p_gt v_t for all G heads: blocks of up to 4 heads x 64 values
+template <typename T>
+inline void values_fast(const T* vp, int64_t slot_stride, int64_t voff, const int64_t* slots, int64_t ctx,
+                        int64_t G, int64_t D, const float* p, float* acc) {
+  for (int64_t g0 = 0; g0 < G; g0 += 4)
+    for (int64_t d0 = 0; d0 < D; d0 += 64) {
+      const int dc = static_cast<int>((std::min<int64_t>(64, D - d0) + 15) / 16);
+      const float* pg = p + g0 * ctx;
+      float* ag = acc + g0 * D;
+      switch (std::min<int64_t>(4, G - g0)) {
+        case 4: weighted_values_d<T, 4>(dc, vp, slot_stride, voff, slots, ctx, D, d0, pg, ctx, ag); break;
+        case 3: weighted_values_d<T, 3>(dc, vp, slot_stride, voff, slots, ctx, D, d0, pg, ctx, ag); break;
+        case 2: weighted_values_d<T, 2>(dc, vp, slot_stride, voff, slots, ctx, D, d0, pg, ctx, ag); break;
+        default: weighted_values_d<T, 1>(dc, vp, slot_stride, voff, slots, ctx, D, d0, pg, ctx, ag); break;
+      }
+    }
+}
+#endif
 
 template <typename T>
 void decode_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
@@ -47,16 +187,27 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
 
   at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(G * D), row(D), scores(G * max_ctx), acc(G * D), denom(G);
+    std::vector<int64_t> slots(max_ctx);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / Hkv, h = item % Hkv;
       const int64_t ctx = lens[b];
       const int64_t* table = tables + b * NB;
+      for (int64_t t = 0, i = 0; t < ctx; ++i) {  // slot of each token, block by block
+        const int64_t base = table[i] * block_size, n = std::min(block_size, ctx - t);
+        for (int64_t j = 0; j < n; ++j) slots[t++] = base + j;
+      }
+#if defined(__AVX512F__)
+      if constexpr (planaria_cpu::tile_dot_fast<T>()) {
+        scores_fast<T>(qp + (b * Hq + h * G) * D, kp, slot_stride, h * D, slots.data(), ctx, G, D, fscale,
+                       scores.data());
+      }
+#endif
+      if constexpr (!planaria_cpu::tile_dot_fast<T>()) {
       widen(qp + (b * Hq + h * G) * D, qf.data(), G * D);
       for (int64_t i = 0; i < G * D; ++i) qf[i] *= fscale;
       // scores[g * ctx + t] = q_g . k_t
       for (int64_t t = 0; t < ctx; ++t) {
-        const int64_t slot = table[t / block_size] * block_size + t % block_size;
-        widen(kp + slot * slot_stride + h * D, row.data(), D);
+        widen(kp + slots[t] * slot_stride + h * D, row.data(), D);
         for (int64_t g = 0; g < G; ++g) {
           const float* qg = qf.data() + g * D;
           float s = 0.f;
@@ -64,6 +215,7 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
           for (int64_t d = 0; d < D; ++d) s += qg[d] * row[d];
           scores[g * ctx + t] = s;
         }
+      }
       }
       // softmax over t, per query head
       for (int64_t g = 0; g < G; ++g) {
@@ -79,16 +231,22 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
         denom[g] = sum > 0.f ? 1.f / sum : 0.f;
       }
       // acc_g = sum_t p_gt v_t
+#if defined(__AVX512F__)
+      if constexpr (planaria_cpu::tile_dot_fast<T>()) {
+        values_fast<T>(vp, slot_stride, h * D, slots.data(), ctx, G, D, scores.data(), acc.data());
+      }
+#endif
+      if constexpr (!planaria_cpu::tile_dot_fast<T>()) {
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t t = 0; t < ctx; ++t) {
-        const int64_t slot = table[t / block_size] * block_size + t % block_size;
-        widen(vp + slot * slot_stride + h * D, row.data(), D);
+        widen(vp + slots[t] * slot_stride + h * D, row.data(), D);
         for (int64_t g = 0; g < G; ++g) {
           const float p = scores[g * ctx + t];
           float* ag = acc.data() + g * D;
 #pragma omp simd
           for (int64_t d = 0; d < D; ++d) ag[d] += p * row[d];
         }
+      }
       }
       T* o = op + (b * Hq + h * G) * D;
       for (int64_t g = 0; g < G; ++g)

@@ -5,9 +5,11 @@
 // expert 0 (pairs routed to other experts are skipped: an expert-parallel rank's share);
 // out [T, H] = sum over each token's local pairs of weight * w2[e] (silu(g) * u) where
 // (g, u) = w13[e] x. bfloat16 / float16 / float32 weights and activations, every sum in
-// float32, the intermediate kept in float32. Two parallel phases over (expert, chunk of
-// output rows): each weight row is read once for all of that expert's tokens, so the
-// weights stream once per step (decode is bound by reading them). Per-pair outputs are
+// float32, the intermediate in float32 (rounded to bf16 where AVX512-BF16 reads it). Two
+// parallel phases over (expert, chunk of output rows): each tile of four weight rows is
+// read once for all of that expert's tokens (tile_dot.h, 4 tokens per pass; a plain C++
+// dot where the build lacks it), so the weights stream once per step (decode is bound
+// by reading them). Per-pair outputs are
 // summed per token in k order, so results do not depend on the thread count.
 // planaria/kernels/moe.py calls it for small batches; its torch code is the reference
 // (tests/kernels/test_cpu_ext.py).
@@ -18,6 +20,7 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include "tile_dot.h"
 #include "widen.h"
 
 #include <algorithm>
@@ -26,10 +29,6 @@
 #include <cstring>
 #include <type_traits>
 #include <vector>
-
-#if defined(__AVX512BF16__)
-#include <immintrin.h>
-#endif
 
 namespace {
 
@@ -52,62 +51,35 @@ inline void dot_many(const T* w, float* wf, const float* const* xs, int64_t n, i
   }
 }
 
-#if defined(__AVX512BF16__)
-// bfloat16 with the AVX512-BF16 dot instruction (32 products per instruction, float32
-// sums), four vectors per pass over the weight row; xs are bfloat16 here.
-inline void dot_many_bf16(const c10::BFloat16* w, const c10::BFloat16* const* xs, int64_t n, int64_t len,
-                          float* const* out) {
-  const int64_t main = len - len % 32;
-  auto tail = [&](const c10::BFloat16* x) {
-    float s = 0.f;
-    for (int64_t i = main; i < len; ++i) s += static_cast<float>(w[i]) * static_cast<float>(x[i]);
-    return s;
-  };
-  int64_t j = 0;
-  for (; j + 4 <= n; j += 4) {
-    __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps(), a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();
-    for (int64_t i = 0; i < main; i += 32) {
-      const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + i);
-      a0 = _mm512_dpbf16_ps(a0, wv, (__m512bh)_mm512_loadu_si512(xs[j] + i));
-      a1 = _mm512_dpbf16_ps(a1, wv, (__m512bh)_mm512_loadu_si512(xs[j + 1] + i));
-      a2 = _mm512_dpbf16_ps(a2, wv, (__m512bh)_mm512_loadu_si512(xs[j + 2] + i));
-      a3 = _mm512_dpbf16_ps(a3, wv, (__m512bh)_mm512_loadu_si512(xs[j + 3] + i));
-    }
-    *out[j] = _mm512_reduce_add_ps(a0) + tail(xs[j]);
-    *out[j + 1] = _mm512_reduce_add_ps(a1) + tail(xs[j + 1]);
-    *out[j + 2] = _mm512_reduce_add_ps(a2) + tail(xs[j + 2]);
-    *out[j + 3] = _mm512_reduce_add_ps(a3) + tail(xs[j + 3]);
-  }
-  for (; j < n; ++j) {
-    __m512 a0 = _mm512_setzero_ps();
-    for (int64_t i = 0; i < main; i += 32)
-      a0 = _mm512_dpbf16_ps(a0, (__m512bh)_mm512_loadu_si512(w + i), (__m512bh)_mm512_loadu_si512(xs[j] + i));
-    *out[j] = _mm512_reduce_add_ps(a0) + tail(xs[j]);
-  }
-}
-constexpr bool kHaveBf16Dot = true;
-#else
-constexpr bool kHaveBf16Dot = false;
-#endif
-
 constexpr int64_t kRowChunk = 32;
 
 // y[s, r] for the slots s of expert e (rows [r0, r1) of a weight [R, len]); inputs are
-// the slots' vectors in A (T dtype, for the bf16 instruction) or F (float32).
+// the slots' vectors in A (T dtype, for tile_dot) or F (float32, for the plain path).
 template <typename T>
 void rows_times(const T* W, int64_t len, int64_t r0, int64_t r1, int64_t s0, int64_t s1,
                 const std::vector<const T*>& in_t, const std::vector<const float*>& in_f,
                 float* y, int64_t y_stride, std::vector<float>& wf, std::vector<float*>& outs) {
+#if defined(__AVX512F__)
+  if constexpr (planaria_cpu::tile_dot_fast<T>()) {
+    using planaria_cpu::kTileCols;
+    using planaria_cpu::kTileRows;
+    float sums[kTileRows][kTileCols];
+    for (int64_t r = r0; r < r1; r += kTileRows) {
+      const int R = static_cast<int>(std::min<int64_t>(kTileRows, r1 - r));
+      for (int64_t s = s0; s < s1; s += kTileCols) {
+        const int C = static_cast<int>(std::min<int64_t>(kTileCols, s1 - s));
+        planaria_cpu::tile_dot_any<T>(R, C, W + r * len, len, in_t.data() + s, len, sums, W + (r + R) * len);
+        for (int i = 0; i < R; ++i)
+          for (int j = 0; j < C; ++j) y[(s + j) * y_stride + r + i] = sums[i][j];
+      }
+    }
+    return;
+  }
+#endif
   const int64_t n = s1 - s0;
   outs.resize(n);
   for (int64_t r = r0; r < r1; ++r) {
     for (int64_t j = 0; j < n; ++j) outs[j] = y + (s0 + j) * y_stride + r;
-#if defined(__AVX512BF16__)
-    if constexpr (std::is_same_v<T, c10::BFloat16>) {
-      dot_many_bf16(W + r * len, in_t.data() + s0, n, len, outs.data());
-      continue;
-    }
-#endif
     dot_many(W + r * len, wf.data(), in_f.data() + s0, n, len, outs.data());
   }
 }
@@ -123,7 +95,7 @@ void moe_kernel(const at::Tensor& x, const at::Tensor& w13, const at::Tensor& w2
   const float* twp = topk_weights.data_ptr<float>();
   const int64_t* idp = topk_ids.data_ptr<int64_t>();
   T* op = out.data_ptr<T>();
-  constexpr bool bf16_dot = kHaveBf16Dot && std::is_same_v<T, c10::BFloat16>;
+  constexpr bool fast = planaria_cpu::tile_dot_fast<T>();  // inputs read as T by tile_dot
 
   // group pairs by local expert (pair p = token * K + k), in pair order
   std::vector<int64_t> count(E + 1, 0);
@@ -144,17 +116,17 @@ void moe_kernel(const at::Tensor& x, const at::Tensor& w13, const at::Tensor& w2
   const int64_t A = static_cast<int64_t>(active.size());
 
   // per-slot inputs of phase 1: the token's row of x (as T, and widened to float)
-  std::vector<float> xf(bf16_dot ? 0 : T_ * H);
+  std::vector<float> xf(fast ? 0 : T_ * H);
   for (int64_t i = 0; i < static_cast<int64_t>(xf.size()); ++i) xf[i] = to_f(xp[i]);
   std::vector<const T*> x_t(P);
   std::vector<const float*> x_f(P);
   for (int64_t s = 0; s < P; ++s) {
     x_t[s] = xp + (pair_of[s] / K) * H;
-    x_f[s] = bf16_dot ? nullptr : xf.data() + (pair_of[s] / K) * H;
+    x_f[s] = fast ? nullptr : xf.data() + (pair_of[s] / K) * H;
   }
   const int64_t Pm = std::max<int64_t>(P, 1);
-  std::vector<float> gu(Pm * I2), y(Pm * H), hf(bf16_dot ? 0 : Pm * I);
-  std::vector<T> ht(bf16_dot ? Pm * I : 0);
+  std::vector<float> gu(Pm * I2), y(Pm * H), hf(fast ? 0 : Pm * I);
+  std::vector<T> ht(fast ? Pm * I : 0);
 
   // phase 1: gu[s, r] = w13[e, r] . x[token of s]
   const int64_t chunks1 = (I2 + kRowChunk - 1) / kRowChunk;
@@ -168,21 +140,21 @@ void moe_kernel(const at::Tensor& x, const at::Tensor& w13, const at::Tensor& w2
                     gu.data(), I2, wf, outs);
     }
   });
-  // h = silu(gate) * up, rounded to T where the bf16 instruction reads it
+  // h = silu(gate) * up, rounded to T where tile_dot reads it
   at::parallel_for(0, P, 1, [&](int64_t begin, int64_t end) {
     for (int64_t s = begin; s < end; ++s)
       for (int64_t i = 0; i < I; ++i) {
         const float g = gu[s * I2 + i];
         const float v = g / (1.f + std::exp(-g)) * gu[s * I2 + I + i];
-        if constexpr (bf16_dot) ht[s * I + i] = static_cast<T>(v);
+        if constexpr (fast) ht[s * I + i] = static_cast<T>(v);
         else hf[s * I + i] = v;
       }
   });
   std::vector<const T*> h_t(P);
   std::vector<const float*> h_f(P);
   for (int64_t s = 0; s < P; ++s) {
-    h_t[s] = bf16_dot ? ht.data() + s * I : nullptr;
-    h_f[s] = bf16_dot ? nullptr : hf.data() + s * I;
+    h_t[s] = fast ? ht.data() + s * I : nullptr;
+    h_f[s] = fast ? nullptr : hf.data() + s * I;
   }
   // phase 2: y[s, c] = w2[e, c] . h[s]
   const int64_t chunks2 = (H + kRowChunk - 1) / kRowChunk;

@@ -1,0 +1,111 @@
+// tile_dot: the register tile the linear kernels share (skinny_linear.cpp, fused_moe.cpp).
+// sums[r][c] = w_r . x_c for R <= 4 weight rows (w, w + ldw, ...) and C <= 4 vectors xs[c]
+// of length K: 16 float32 accumulators held in registers over one pass along K, filled
+// with FMA (float32) or AVX512-BF16's dot instruction (bfloat16, 32 products each); the K
+// tail is a masked load. A weight tile is read from memory once and stays in L1 while
+// further calls meet it with the next vectors. ``prefetch``: the next tile's start, read
+// ahead R cache lines per step (what this tile reads per step), or nullptr.
+// tile_dot_fast<T>() says whether this build has it for T (AVX-512 for float32,
+// AVX512-BF16 for bfloat16); callers keep a plain C++ path for the rest.
+#pragma once
+
+#include <c10/util/BFloat16.h>
+
+#include <cstdint>
+#include <type_traits>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace planaria_cpu {
+
+constexpr int kTileRows = 4;
+constexpr int kTileCols = 4;
+
+template <typename T>
+constexpr bool tile_dot_fast() {
+#if defined(__AVX512BF16__)
+  if (std::is_same_v<T, c10::BFloat16>) return true;
+#endif
+#if defined(__AVX512F__)
+  if (std::is_same_v<T, float>) return true;
+#endif
+  return false;
+}
+
+#if defined(__AVX512F__)
+template <typename T, int R, int C>
+inline void tile_dot(const T* w, int64_t ldw, const T* const* xs, int64_t K, float (*sums)[kTileCols],
+                     const T* prefetch) {
+  constexpr int64_t step = std::is_same_v<T, float> ? 16 : 32;
+  // GCC keeps the accumulator array in registers only when these loops are unrolled early
+  __m512 acc[R][C];
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
+  const char* pf = reinterpret_cast<const char*>(prefetch);
+  for (int64_t k = 0; k < K; k += step) {
+    const int64_t left = K - k;
+    if (pf) {
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) _mm_prefetch(pf + (k * R + r * step) * sizeof(T), _MM_HINT_T0);
+    }
+    if constexpr (std::is_same_v<T, float>) {
+      const __mmask16 m = left >= 16 ? __mmask16(0xffff) : __mmask16((1u << left) - 1);
+      __m512 xv[C];
+#pragma GCC unroll 4
+      for (int c = 0; c < C; ++c) xv[c] = _mm512_maskz_loadu_ps(m, xs[c] + k);
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
+        const __m512 wv = _mm512_maskz_loadu_ps(m, w + r * ldw + k);
+#pragma GCC unroll 4
+        for (int c = 0; c < C; ++c) acc[r][c] = _mm512_fmadd_ps(wv, xv[c], acc[r][c]);
+      }
+    } else {
+#if defined(__AVX512BF16__)
+      const __mmask32 m = left >= 32 ? __mmask32(0xffffffffu) : __mmask32((1u << left) - 1);
+      __m512bh xv[C];
+#pragma GCC unroll 4
+      for (int c = 0; c < C; ++c) xv[c] = (__m512bh)_mm512_maskz_loadu_epi16(m, xs[c] + k);
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
+        const __m512bh wv = (__m512bh)_mm512_maskz_loadu_epi16(m, w + r * ldw + k);
+#pragma GCC unroll 4
+        for (int c = 0; c < C; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], wv, xv[c]);
+      }
+#endif
+    }
+  }
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int c = 0; c < C; ++c) sums[r][c] = _mm512_reduce_add_ps(acc[r][c]);
+}
+
+template <typename T, int R>
+inline void tile_dot_cols(int C, const T* w, int64_t ldw, const T* const* xs, int64_t K, float (*sums)[kTileCols],
+                          const T* prefetch) {
+  switch (C) {
+    case 4: tile_dot<T, R, 4>(w, ldw, xs, K, sums, prefetch); break;
+    case 3: tile_dot<T, R, 3>(w, ldw, xs, K, sums, prefetch); break;
+    case 2: tile_dot<T, R, 2>(w, ldw, xs, K, sums, prefetch); break;
+    default: tile_dot<T, R, 1>(w, ldw, xs, K, sums, prefetch); break;
+  }
+}
+
+// tile_dot with R and C known at run time (each 1..4)
+template <typename T>
+inline void tile_dot_any(int R, int C, const T* w, int64_t ldw, const T* const* xs, int64_t K,
+                         float (*sums)[kTileCols], const T* prefetch) {
+  switch (R) {
+    case 4: tile_dot_cols<T, 4>(C, w, ldw, xs, K, sums, prefetch); break;
+    case 3: tile_dot_cols<T, 3>(C, w, ldw, xs, K, sums, prefetch); break;
+    case 2: tile_dot_cols<T, 2>(C, w, ldw, xs, K, sums, prefetch); break;
+    default: tile_dot_cols<T, 1>(C, w, ldw, xs, K, sums, prefetch); break;
+  }
+}
+#endif
+
+}  // namespace planaria_cpu
