@@ -7,8 +7,11 @@ skinny_linear`` (csrc/skinny_linear.cpp) reads each tile of four weight rows onc
 meets every row of x with it from L1. ``linear`` takes it for up to ``max_rows(dtype)``
 rows and F.linear (or the oneDNN-packed weight) otherwise:
 
-- float32 with AVX-512: up to 16 rows (1.8-3x torch's float32 GEMM at 1-16 rows);
-- bfloat16 with AVX512-BF16 and no AMX: up to 8 rows (1.1-1.3x the oneDNN-packed GEMM);
+- float32 with AVX-512: up to 64 rows (1.0-2.4x torch's float32 GEMM at 1-64 rows;
+  from about 16 rows both are bound by arithmetic, where this kernel comes closer to
+  the FMA peak);
+- bfloat16 with AVX512-BF16 and no AMX: up to 8 rows (1.1-1.3x the oneDNN-packed GEMM;
+  past 16 rows oneDNN is faster);
   with AMX, oneDNN's AMX GEMM is kept (not measured against it);
 - float16, or a CPU without those instructions, or the C++ kernels not loaded: never.
 
@@ -35,7 +38,7 @@ def max_rows(dtype: torch.dtype) -> int:
     if n is None:
         flags = set(cpu_ext.cpu_flags().split())
         if dtype == torch.float32 and "avx512f" in flags:
-            n = 16
+            n = 64
         elif dtype == torch.bfloat16 and "avx512_bf16" in flags and "amx_bf16" not in flags:
             n = 8
         else:

@@ -339,4 +339,4 @@ def test_linear_takes_the_kernel_up_to_max_rows(monkeypatch):
     monkeypatch.delenv(cpu_ext.ENV)
     assert lin.max_rows(torch.float16) == 0  # float16 keeps torch's GEMM
     if "avx512f" in cpu_ext.cpu_flags().split():
-        assert limit == 16
+        assert limit == 64
