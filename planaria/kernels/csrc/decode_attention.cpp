@@ -78,13 +78,22 @@ inline __m512 dot_lanes(const T* a, const T* b, int64_t D) {
 
 // scores[g * ctx + t] = scale * q_g . k_t for G query heads, 16 keys at a time
 template <typename T>
-inline void scores_fast(const T* q, const T* kp, int64_t slot_stride, int64_t koff, const int64_t* slots,
-                        int64_t ctx, int64_t G, int64_t D, float scale, float* scores) {
+inline void scores_fast(const T* q, const T* kp, const T* vp, int64_t slot_stride, int64_t koff,
+                        const int64_t* slots, int64_t ctx, int64_t G, int64_t D, float scale, float* scores) {
   const __m512 vscale = _mm512_set1_ps(scale);
   const T* krow[16];
   __m512 v[16];
+  const int64_t row_bytes = D * static_cast<int64_t>(sizeof(T));
   for (int64_t t0 = 0; t0 < ctx; t0 += 16) {
     const int n = static_cast<int>(std::min<int64_t>(16, ctx - t0));
+    // the next 16 keys' rows, and this group's value rows for the pass after the softmax
+    // (the slots are scattered over the cache: the hardware prefetcher cannot guess them)
+    for (int64_t t = t0 + 16; t < std::min(ctx, t0 + 32); ++t)
+      for (int64_t b = 0; b < row_bytes; b += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(kp + slots[t] * slot_stride + koff) + b, _MM_HINT_T0);
+    for (int64_t t = t0; t < t0 + n; ++t)
+      for (int64_t b = 0; b < row_bytes; b += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(vp + slots[t] * slot_stride + koff) + b, _MM_HINT_T1);
     for (int j = 0; j < n; ++j) krow[j] = kp + slots[t0 + j] * slot_stride + koff;
     const __mmask16 m = n == 16 ? __mmask16(0xffff) : __mmask16((1u << n) - 1);
     for (int64_t g = 0; g < G; ++g) {
@@ -198,7 +207,7 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
       }
 #if defined(__AVX512F__)
       if constexpr (planaria_cpu::tile_dot_fast<T>()) {
-        scores_fast<T>(qp + (b * Hq + h * G) * D, kp, slot_stride, h * D, slots.data(), ctx, G, D, fscale,
+        scores_fast<T>(qp + (b * Hq + h * G) * D, kp, vp, slot_stride, h * D, slots.data(), ctx, G, D, fscale,
                        scores.data());
       }
 #endif
