@@ -340,3 +340,15 @@ def test_linear_takes_the_kernel_up_to_max_rows(monkeypatch):
     assert lin.max_rows(torch.float16) == 0  # float16 keeps torch's GEMM
     if "avx512f" in cpu_ext.cpu_flags().split():
         assert limit == 64
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_argmax_on_rows_of_few_distinct_values(dtype):
+    # many ties, signed zeros, all-negative rows, infinities, lengths off the vector width
+    g = torch.Generator().manual_seed(7)
+    pool = torch.tensor([-0.0, 0.0, -1.5, -3.0, -float("inf"), 2.0, float("inf"), -2.0e-3])
+    for length in (1, 15, 16, 17, 31, 32, 33, 100, 1000):
+        for choice in ([0, 1], [2, 3], [2, 4], [0, 2, 3], list(range(8)), [4], [7, 1, 3]):
+            idx = torch.tensor(choice)[torch.randint(len(choice), (6, length), generator=g)]
+            x = pool[idx].to(dtype).contiguous()
+            assert torch.equal(torch.ops.planaria.argmax_rows(x), x.argmax(-1)), (length, choice)

@@ -3,7 +3,8 @@
 // float16 -> [N] int64, the first index of the maximum, NaN counting as the maximum (the
 // first NaN wins), +0 and -0 equal: torch.argmax's answer on the CPU. One pass takes the
 // maximum of each chunk of 64 values (vectorized), a second looks only inside the first
-// chunk that holds the row's maximum. Rows run in parallel. Tested against torch.argmax
+// chunk that holds the row's maximum. Rows run in parallel. With AVX512-BW, bfloat16 and
+// float32 rows take the integer-key path below instead (argmax_row_avx512). Tested against torch.argmax
 // in tests/kernels/test_cpu_ext.py.
 
 #include <ATen/ATen.h>
@@ -14,7 +15,12 @@
 #include <cstdint>
 #include <algorithm>
 #include <cstring>
+#include <type_traits>
 #include <vector>
+
+#if defined(__AVX512BW__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -76,6 +82,88 @@ int64_t argmax_row(const typename F::Bits* row, int64_t V, float* chunk_max) {
   return 0;  // unreachable: the maximum is in some chunk
 }
 
+#if defined(__AVX512BW__)
+// The AVX-512 path for bfloat16 and float32: the bits of each value become an unsigned
+// key that orders as the floats do (negative: all bits flipped; positive: the sign bit
+// set), so one integer max per vector finds the row's maximum with no conversion; a
+// second pass finds its first index (bits equal, or either zero when the maximum is a
+// zero: +0 == -0). NaNs are looked for on the side (|bits| above infinity's), and a row
+// with one takes the scalar code, which returns its first NaN.
+template <typename Bits>
+struct Lanes;
+template <>
+struct Lanes<uint16_t> {
+  static constexpr int64_t n = 32;
+  using Mask = __mmask32;
+  static __m512i load(const uint16_t* p, Mask m) { return _mm512_maskz_loadu_epi16(m, p); }
+  static Mask all(int64_t left) { return left >= 32 ? Mask(0xffffffffu) : Mask((1u << left) - 1); }
+  static __m512i key(__m512i b) {
+    return _mm512_xor_si512(b, _mm512_or_si512(_mm512_srai_epi16(b, 15), _mm512_set1_epi16(int16_t(0x8000))));
+  }
+  static __m512i max(__m512i acc, Mask m, __m512i k) { return _mm512_mask_max_epu16(acc, m, acc, k); }
+  static Mask nan(__m512i b, Mask m) {
+    return _mm512_mask_cmpgt_epu16_mask(m, _mm512_and_si512(b, _mm512_set1_epi16(0x7fff)),
+                                        _mm512_set1_epi16(0x7f80));
+  }
+  static uint16_t reduce_max(__m512i acc) {
+    alignas(64) uint16_t v[32];
+    _mm512_store_si512(v, acc);
+    uint16_t m = 0;
+    for (uint16_t x : v) m = std::max(m, x);
+    return m;
+  }
+  static uint16_t unkey(uint16_t k) { return (k & 0x8000u) ? uint16_t(k ^ 0x8000u) : uint16_t(~k); }
+  static Mask eq(__m512i b, uint16_t bits, Mask m) { return _mm512_mask_cmpeq_epi16_mask(m, b, _mm512_set1_epi16(int16_t(bits))); }
+  static uint16_t abs_bits(uint16_t b) { return b & 0x7fffu; }
+  static uint16_t neg_zero() { return 0x8000u; }
+};
+template <>
+struct Lanes<uint32_t> {
+  static constexpr int64_t n = 16;
+  using Mask = __mmask16;
+  static __m512i load(const uint32_t* p, Mask m) { return _mm512_maskz_loadu_epi32(m, p); }
+  static Mask all(int64_t left) { return left >= 16 ? Mask(0xffff) : Mask((1u << left) - 1); }
+  static __m512i key(__m512i b) {
+    return _mm512_xor_si512(b, _mm512_or_si512(_mm512_srai_epi32(b, 31), _mm512_set1_epi32(int32_t(0x80000000u))));
+  }
+  static __m512i max(__m512i acc, Mask m, __m512i k) { return _mm512_mask_max_epu32(acc, m, acc, k); }
+  static Mask nan(__m512i b, Mask m) {
+    return _mm512_mask_cmpgt_epu32_mask(m, _mm512_and_si512(b, _mm512_set1_epi32(0x7fffffff)),
+                                        _mm512_set1_epi32(0x7f800000));
+  }
+  static uint32_t reduce_max(__m512i acc) { return _mm512_reduce_max_epu32(acc); }
+  static uint32_t unkey(uint32_t k) { return (k & 0x80000000u) ? (k ^ 0x80000000u) : ~k; }
+  static Mask eq(__m512i b, uint32_t bits, Mask m) { return _mm512_mask_cmpeq_epi32_mask(m, b, _mm512_set1_epi32(int32_t(bits))); }
+  static uint32_t abs_bits(uint32_t b) { return b & 0x7fffffffu; }
+  static uint32_t neg_zero() { return 0x80000000u; }
+};
+
+// -1: the row has a NaN (the caller's scalar code answers)
+template <typename Bits>
+int64_t argmax_row_avx512(const Bits* row, int64_t V) {
+  using L = Lanes<Bits>;
+  __m512i acc = _mm512_setzero_si512();  // key 0 is below every value's key
+  typename L::Mask nan = 0;
+  for (int64_t i = 0; i < V; i += L::n) {
+    const typename L::Mask m = L::all(V - i);
+    const __m512i b = L::load(row + i, m);
+    acc = L::max(acc, m, L::key(b));
+    nan |= L::nan(b, m);
+  }
+  if (nan) return -1;
+  const Bits best = L::unkey(L::reduce_max(acc));
+  const bool zero = L::abs_bits(best) == 0;
+  for (int64_t i = 0; i < V; i += L::n) {
+    const typename L::Mask m = L::all(V - i);
+    const __m512i b = L::load(row + i, m);
+    typename L::Mask hit = L::eq(b, best, m);
+    if (zero) hit |= L::eq(b, Bits(best ^ L::neg_zero()), m);
+    if (hit) return i + __builtin_ctzll(static_cast<unsigned long long>(hit));
+  }
+  return 0;  // unreachable: the maximum is in the row
+}
+#endif
+
 template <typename F>
 void argmax_kernel(const at::Tensor& x, at::Tensor& out) {
   const int64_t N = x.size(0), V = x.size(1);
@@ -83,7 +171,18 @@ void argmax_kernel(const at::Tensor& x, at::Tensor& out) {
   int64_t* op = out.data_ptr<int64_t>();
   at::parallel_for(0, N, 4, [&](int64_t begin, int64_t end) {
     std::vector<float> chunk_max((V + kChunk - 1) / kChunk);
-    for (int64_t r = begin; r < end; ++r) op[r] = argmax_row<F>(xp + r * V, V, chunk_max.data());
+    for (int64_t r = begin; r < end; ++r) {
+#if defined(__AVX512BW__)
+      if constexpr (!std::is_same_v<F, F16>) {
+        const int64_t i = argmax_row_avx512<typename F::Bits>(xp + r * V, V);
+        if (i >= 0) {
+          op[r] = i;
+          continue;
+        }
+      }
+#endif
+      op[r] = argmax_row<F>(xp + r * V, V, chunk_max.data());
+    }
   });
 }
 
