@@ -1,6 +1,6 @@
 """Planaria's compute kernels, written in plain torch: paged attention (attention.py), MoE
 routing and grouped expert matmul (moe.py), RMSNorm (norm.py), rotary (rotary.py),
-sampling (sampling.py), pooling (pooling.py).
+sampling (sampling.py), pooling (pooling.py), linears at a few rows (linear.py).
 
 Tensors in, tensors out: the kernels import nothing else of planaria (checked by
 tests/test_layers.py) and reject bad arguments with ValueError. What reads requests or
