@@ -15,6 +15,7 @@ from planaria.engine.core import EngineCore
 from planaria.engine.messages import EngineCoreRequest
 from planaria.engine.models import packing
 from planaria.kernels import cpu_ext
+from planaria.kernels.linear import packed_linear
 from planaria.engine.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.skipif(not packing.available(torch.device("cpu"), torch.bfloat16),
@@ -30,7 +31,7 @@ def test_packed_linear_equals_f_linear_bit_for_bit():
         p = packing.pack(w)
         for m in (1, 5, 64):
             x = torch.randn(m, k, generator=g).to(torch.bfloat16)
-            assert torch.equal(packing.linear(x, p, b), F.linear(x, w, b))
+            assert torch.equal(packed_linear(x, p, b), F.linear(x, w, b))
 
 
 def test_only_bf16_on_cpu_and_the_switch_turns_it_off(monkeypatch):

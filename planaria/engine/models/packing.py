@@ -5,7 +5,8 @@ a weight packed once (``torch.ops.mkldnn._reorder_linear_weight``, what Inductor
 freezing does) runs the same GEMM with the same results, bit for bit, 1.2-2x faster here
 (AMD EPYC with AVX512-BF16, SmolLM2's shapes: 2.2x at one token, 1.1-1.4x at 16-64). So
 ``pack_linears(model)`` gives every bfloat16 ``Linear`` (and the tied LM head) a packed
-copy that its forward uses; the parameters stay as they are, for weight swaps (which
+copy that its forward uses (at a few rows, where the CPU has AVX512-BF16 and no AMX, the
+C++ kernel of kernels/linear.py reads the parameter instead); the parameters stay as they are, for weight swaps (which
 pack again: ``repack``), expert re-homing and the embedding. The copy costs the linears'
 weight bytes once more; the runner counts them in its weights before the memory profile
 sizes the KV cache. A MoE layer's experts are packed too, for the per-expert loop that
@@ -23,7 +24,6 @@ import os
 import torch
 
 from planaria.kernels import cpu_ext
-from planaria.kernels.linear import packed_linear
 
 ENV = "PLANARIA_CPU_PACKED_LINEAR"
 
@@ -35,9 +35,6 @@ def available(device: torch.device, dtype: torch.dtype) -> bool:
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
-
-
-linear = packed_linear  # F.linear with a packed weight
 
 
 def pack_linears(model: torch.nn.Module, device: torch.device, dtype: torch.dtype, experts: bool = True) -> int:

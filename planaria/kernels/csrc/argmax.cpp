@@ -12,6 +12,8 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include "tile_dot.h"
+
 #include <cstdint>
 #include <algorithm>
 #include <cstring>
@@ -96,7 +98,7 @@ struct Lanes<uint16_t> {
   static constexpr int64_t n = 32;
   using Mask = __mmask32;
   static __m512i load(const uint16_t* p, Mask m) { return _mm512_maskz_loadu_epi16(m, p); }
-  static Mask all(int64_t left) { return left >= 32 ? Mask(0xffffffffu) : Mask((1u << left) - 1); }
+  static Mask all(int64_t left) { return planaria_cpu::tail_mask32(left); }
   static __m512i key(__m512i b) {
     return _mm512_xor_si512(b, _mm512_or_si512(_mm512_srai_epi16(b, 15), _mm512_set1_epi16(int16_t(0x8000))));
   }
@@ -122,7 +124,7 @@ struct Lanes<uint32_t> {
   static constexpr int64_t n = 16;
   using Mask = __mmask16;
   static __m512i load(const uint32_t* p, Mask m) { return _mm512_maskz_loadu_epi32(m, p); }
-  static Mask all(int64_t left) { return left >= 16 ? Mask(0xffff) : Mask((1u << left) - 1); }
+  static Mask all(int64_t left) { return planaria_cpu::tail_mask16(left); }
   static __m512i key(__m512i b) {
     return _mm512_xor_si512(b, _mm512_or_si512(_mm512_srai_epi32(b, 31), _mm512_set1_epi32(int32_t(0x80000000u))));
   }

@@ -61,13 +61,13 @@ inline __m512 dot_lanes(const T* a, const T* b, int64_t D) {
   __m512 acc = _mm512_setzero_ps();
   if constexpr (std::is_same_v<T, float>) {
     for (int64_t d = 0; d < D; d += 16) {
-      const __mmask16 m = D - d >= 16 ? __mmask16(0xffff) : __mmask16((1u << (D - d)) - 1);
+      const __mmask16 m = planaria_cpu::tail_mask16(D - d);
       acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, a + d), _mm512_maskz_loadu_ps(m, b + d), acc);
     }
   } else {
 #if defined(__AVX512BF16__)
     for (int64_t d = 0; d < D; d += 32) {
-      const __mmask32 m = D - d >= 32 ? __mmask32(0xffffffffu) : __mmask32((1u << (D - d)) - 1);
+      const __mmask32 m = planaria_cpu::tail_mask32(D - d);
       acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_maskz_loadu_epi16(m, a + d),
                              (__m512bh)_mm512_maskz_loadu_epi16(m, b + d));
     }
@@ -95,7 +95,7 @@ inline void scores_fast(const T* q, const T* kp, const T* vp, int64_t slot_strid
       for (int64_t b = 0; b < row_bytes; b += 64)
         _mm_prefetch(reinterpret_cast<const char*>(vp + slots[t] * slot_stride + koff) + b, _MM_HINT_T1);
     for (int j = 0; j < n; ++j) krow[j] = kp + slots[t0 + j] * slot_stride + koff;
-    const __mmask16 m = n == 16 ? __mmask16(0xffff) : __mmask16((1u << n) - 1);
+    const __mmask16 m = planaria_cpu::tail_mask16(n);
     for (int64_t g = 0; g < G; ++g) {
 #pragma GCC unroll 16
       for (int j = 0; j < 16; ++j) v[j] = j < n ? dot_lanes<T>(q + g * D, krow[j], D) : _mm512_setzero_ps();
@@ -120,10 +120,7 @@ template <typename T, int GN, int DC>
 inline void weighted_values(const T* vp, int64_t slot_stride, int64_t voff, const int64_t* slots, int64_t ctx,
                             int64_t D, int64_t d0, const float* p, int64_t p_stride, float* out) {
   __mmask16 m[DC];
-  for (int c = 0; c < DC; ++c) {
-    const int64_t left = D - d0 - 16 * c;
-    m[c] = left >= 16 ? __mmask16(0xffff) : __mmask16((1u << left) - 1);
-  }
+  for (int c = 0; c < DC; ++c) m[c] = planaria_cpu::tail_mask16(D - d0 - 16 * c);
   __m512 acc[GN][DC];
 #pragma GCC unroll 4
   for (int g = 0; g < GN; ++g)
@@ -205,26 +202,25 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
         const int64_t base = table[i] * block_size, n = std::min(block_size, ctx - t);
         for (int64_t j = 0; j < n; ++j) slots[t++] = base + j;
       }
-#if defined(__AVX512F__)
       if constexpr (planaria_cpu::tile_dot_fast<T>()) {
+#if defined(__AVX512F__)
         scores_fast<T>(qp + (b * Hq + h * G) * D, kp, vp, slot_stride, h * D, slots.data(), ctx, G, D, fscale,
                        scores.data());
-      }
 #endif
-      if constexpr (!planaria_cpu::tile_dot_fast<T>()) {
-      widen(qp + (b * Hq + h * G) * D, qf.data(), G * D);
-      for (int64_t i = 0; i < G * D; ++i) qf[i] *= fscale;
-      // scores[g * ctx + t] = q_g . k_t
-      for (int64_t t = 0; t < ctx; ++t) {
-        widen(kp + slots[t] * slot_stride + h * D, row.data(), D);
-        for (int64_t g = 0; g < G; ++g) {
-          const float* qg = qf.data() + g * D;
-          float s = 0.f;
+      } else {
+        widen(qp + (b * Hq + h * G) * D, qf.data(), G * D);
+        for (int64_t i = 0; i < G * D; ++i) qf[i] *= fscale;
+        // scores[g * ctx + t] = q_g . k_t
+        for (int64_t t = 0; t < ctx; ++t) {
+          widen(kp + slots[t] * slot_stride + h * D, row.data(), D);
+          for (int64_t g = 0; g < G; ++g) {
+            const float* qg = qf.data() + g * D;
+            float s = 0.f;
 #pragma omp simd reduction(+ : s)
-          for (int64_t d = 0; d < D; ++d) s += qg[d] * row[d];
-          scores[g * ctx + t] = s;
+            for (int64_t d = 0; d < D; ++d) s += qg[d] * row[d];
+            scores[g * ctx + t] = s;
+          }
         }
-      }
       }
       // softmax over t, per query head
       for (int64_t g = 0; g < G; ++g) {
@@ -240,22 +236,21 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
         denom[g] = sum > 0.f ? 1.f / sum : 0.f;
       }
       // acc_g = sum_t p_gt v_t
-#if defined(__AVX512F__)
       if constexpr (planaria_cpu::tile_dot_fast<T>()) {
+#if defined(__AVX512F__)
         values_fast<T>(vp, slot_stride, h * D, slots.data(), ctx, G, D, scores.data(), acc.data());
-      }
 #endif
-      if constexpr (!planaria_cpu::tile_dot_fast<T>()) {
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t t = 0; t < ctx; ++t) {
-        widen(vp + slots[t] * slot_stride + h * D, row.data(), D);
-        for (int64_t g = 0; g < G; ++g) {
-          const float p = scores[g * ctx + t];
-          float* ag = acc.data() + g * D;
+      } else {
+        std::fill(acc.begin(), acc.end(), 0.f);
+        for (int64_t t = 0; t < ctx; ++t) {
+          widen(vp + slots[t] * slot_stride + h * D, row.data(), D);
+          for (int64_t g = 0; g < G; ++g) {
+            const float p = scores[g * ctx + t];
+            float* ag = acc.data() + g * D;
 #pragma omp simd
-          for (int64_t d = 0; d < D; ++d) ag[d] += p * row[d];
+            for (int64_t d = 0; d < D; ++d) ag[d] += p * row[d];
+          }
         }
-      }
       }
       T* o = op + (b * Hq + h * G) * D;
       for (int64_t g = 0; g < G; ++g)

@@ -27,29 +27,11 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <type_traits>
 #include <vector>
 
 namespace {
 
-inline float to_f(float v) { return v; }
-inline float to_f(c10::BFloat16 v) { return static_cast<float>(v); }
-inline float to_f(c10::Half v) { return static_cast<float>(v); }
-
-using planaria_cpu::widen;
-
-// out[j] = w . xs[j] for n vectors of length len; w is widened once into wf (scratch).
-template <typename T>
-inline void dot_many(const T* w, float* wf, const float* const* xs, int64_t n, int64_t len, float* const* out) {
-  widen(w, wf, len);
-  for (int64_t j = 0; j < n; ++j) {
-    const float* x = xs[j];
-    float s = 0.f;
-#pragma omp simd reduction(+ : s)
-    for (int64_t i = 0; i < len; ++i) s += wf[i] * x[i];
-    *out[j] = s;
-  }
-}
+using planaria_cpu::dot_many;
 
 constexpr int64_t kRowChunk = 32;
 
@@ -117,7 +99,7 @@ void moe_kernel(const at::Tensor& x, const at::Tensor& w13, const at::Tensor& w2
 
   // per-slot inputs of phase 1: the token's row of x (as T, and widened to float)
   std::vector<float> xf(fast ? 0 : T_ * H);
-  for (int64_t i = 0; i < static_cast<int64_t>(xf.size()); ++i) xf[i] = to_f(xp[i]);
+  planaria_cpu::widen(xp, xf.data(), static_cast<int64_t>(xf.size()));
   std::vector<const T*> x_t(P);
   std::vector<const float*> x_f(P);
   for (int64_t s = 0; s < P; ++s) {

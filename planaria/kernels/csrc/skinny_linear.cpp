@@ -8,7 +8,8 @@
 // Here each tile of 4 weight rows is read once from memory and held in L1 while it meets
 // every row of x, 4 at a time (tile_dot.h: 16 float32 accumulators in registers, FMA or
 // AVX512-BF16's dot instruction); tiles of rows run in parallel. Without AVX-512 (or for
-// float16) the same tiling runs on widened rows in plain C++ the compiler vectorizes.
+// float16) each weight row is widened once and dotted with the widened rows of x
+// (tile_dot.h's dot_many, plain C++ the compiler vectorizes).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -21,7 +22,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <type_traits>
 #include <vector>
 
 namespace {
@@ -33,66 +33,56 @@ inline void store(float v, float* p) { *p = v; }
 inline void store(float v, c10::BFloat16* p) { *p = c10::BFloat16(v); }
 inline void store(float v, c10::Half* p) { *p = c10::Half(v); }
 
-// sums[r][c] = wf_r . xf_c on float32 copies (the path without tile_dot)
-inline void tile_plain(int R, int C, const float* wf, const float* xf, int64_t K, float (*sums)[kTileCols]) {
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) {
-      const float* a = wf + r * K;
-      const float* b = xf + c * K;
-      float s = 0.f;
-#pragma omp simd reduction(+ : s)
-      for (int64_t k = 0; k < K; ++k) s += a[k] * b[k];
-      sums[r][c] = s;
-    }
-}
-
-// rows [n0, n0 + R) of y for every row of x
+#if defined(__AVX512F__)
+// rows [n0, n0 + R) of y for every row of x, 4 rows of x per pass over the tile
 template <typename T>
-void row_tile(int R, const T* w, const T* xp, const std::vector<float>& xf_all, std::vector<float>& wf,
-              int64_t M, int64_t K, int64_t N, int64_t n0, const T* bias, T* y) {
-  constexpr bool fast = planaria_cpu::tile_dot_fast<T>();
-  if constexpr (!fast) {
-    for (int r = 0; r < R; ++r) planaria_cpu::widen(w + r * K, wf.data() + r * K, K);
-  }
+void row_tile(int R, const T* w, const T* xp, int64_t M, int64_t K, int64_t N, int64_t n0, const T* bias, T* y) {
   float sums[kTileRows][kTileCols];
   for (int64_t m0 = 0; m0 < M; m0 += kTileCols) {
     const int c = static_cast<int>(std::min<int64_t>(kTileCols, M - m0));
-#if defined(__AVX512F__)
-    if constexpr (fast) {
-      const T* xs[kTileCols];
-      for (int j = 0; j < c; ++j) xs[j] = xp + (m0 + j) * K;
-      planaria_cpu::tile_dot_any<T>(R, c, w, K, xs, K, sums, w + R * K);  // prefetch the next tile
-    }
-#endif
-    if constexpr (!fast) tile_plain(R, c, wf.data(), xf_all.data() + m0 * K, K, sums);
+    const T* xs[kTileCols];
+    for (int j = 0; j < c; ++j) xs[j] = xp + (m0 + j) * K;
+    planaria_cpu::tile_dot_any<T>(R, c, w, K, xs, K, sums, w + R * K);  // prefetch the next tile
     for (int r = 0; r < R; ++r) {
       const float b = bias ? static_cast<float>(bias[n0 + r]) : 0.f;
       for (int j = 0; j < c; ++j) store(sums[r][j] + b, y + (m0 + j) * N + n0 + r);
     }
   }
 }
+#endif
 
 template <typename T>
 void linear_kernel(const at::Tensor& x, const at::Tensor& w, const T* bias, at::Tensor& y) {
+  constexpr bool fast = planaria_cpu::tile_dot_fast<T>();
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
   const T* xp = x.data_ptr<T>();
   const T* wp = w.data_ptr<T>();
   T* yp = y.data_ptr<T>();
-  std::vector<float> xf_all;
-  if (!planaria_cpu::tile_dot_fast<T>()) {
-    xf_all.resize(M * K);
-    planaria_cpu::widen(xp, xf_all.data(), M * K);
-  }
+  // the plain path: the rows of x widened once, each weight row widened once by dot_many
+  std::vector<float> xf(fast ? 0 : M * K);
+  std::vector<const float*> xs(fast ? 0 : M);
+  planaria_cpu::widen(xp, xf.data(), static_cast<int64_t>(xf.size()));
+  for (int64_t j = 0; j < static_cast<int64_t>(xs.size()); ++j) xs[j] = xf.data() + j * K;
   const int64_t tiles = (N + kTileRows - 1) / kTileRows;
   // a grain of ~32 KiB of weights per task: small linears stay on one thread
   const int64_t grain = std::max<int64_t>(1, (32 << 10) / std::max<int64_t>(1, kTileRows * K * w.element_size()));
   at::parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) {
-    std::vector<float> wf(planaria_cpu::tile_dot_fast<T>() ? 0 : kTileRows * K);
+    std::vector<float> wf(fast ? 0 : K), col(fast ? 0 : M);
+    std::vector<float*> outs(fast ? 0 : M);
+    for (int64_t j = 0; j < static_cast<int64_t>(outs.size()); ++j) outs[j] = col.data() + j;
     for (int64_t t = begin; t < end; ++t) {
       const int64_t n0 = t * kTileRows;
-      const T* wt = wp + n0 * K;
-      row_tile<T>(static_cast<int>(std::min<int64_t>(kTileRows, N - n0)), wt, xp, xf_all, wf, M, K, N, n0, bias,
-                  yp);
+      const int R = static_cast<int>(std::min<int64_t>(kTileRows, N - n0));
+#if defined(__AVX512F__)
+      if constexpr (fast) row_tile<T>(R, wp + n0 * K, xp, M, K, N, n0, bias, yp);
+#endif
+      if constexpr (!fast) {
+        for (int r = 0; r < R; ++r) {
+          planaria_cpu::dot_many(wp + (n0 + r) * K, wf.data(), xs.data(), M, K, outs.data());
+          const float b = bias ? static_cast<float>(bias[n0 + r]) : 0.f;
+          for (int64_t j = 0; j < M; ++j) store(col[j] + b, yp + j * N + n0 + r);
+        }
+      }
     }
   });
 }

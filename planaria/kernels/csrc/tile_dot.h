@@ -6,10 +6,13 @@
 // further calls meet it with the next vectors. ``prefetch``: the next tile's start, read
 // ahead R cache lines per step (what this tile reads per step), or nullptr.
 // tile_dot_fast<T>() says whether this build has it for T (AVX-512 for float32,
-// AVX512-BF16 for bfloat16); callers keep a plain C++ path for the rest.
+// AVX512-BF16 for bfloat16); dot_many is the plain C++ path for the rest. tail_mask16/32:
+// the load mask for the last, partial vector of a row (all lanes when 16/32 are left).
 #pragma once
 
 #include <c10/util/BFloat16.h>
+
+#include "widen.h"
 
 #include <cstdint>
 #include <type_traits>
@@ -34,7 +37,26 @@ constexpr bool tile_dot_fast() {
   return false;
 }
 
+// out[j] = w . xs[j] for n float32 vectors of length len; w is widened once into wf
+// (scratch of len floats)
+template <typename T>
+inline void dot_many(const T* w, float* wf, const float* const* xs, int64_t n, int64_t len, float* const* out) {
+  widen(w, wf, len);
+  for (int64_t j = 0; j < n; ++j) {
+    const float* x = xs[j];
+    float s = 0.f;
+#pragma omp simd reduction(+ : s)
+    for (int64_t i = 0; i < len; ++i) s += wf[i] * x[i];
+    *out[j] = s;
+  }
+}
+
 #if defined(__AVX512F__)
+inline __mmask16 tail_mask16(int64_t left) { return left >= 16 ? __mmask16(0xffff) : __mmask16((1u << left) - 1); }
+inline __mmask32 tail_mask32(int64_t left) {
+  return left >= 32 ? __mmask32(0xffffffffu) : __mmask32((1u << left) - 1);
+}
+
 template <typename T, int R, int C>
 inline void tile_dot(const T* w, int64_t ldw, const T* const* xs, int64_t K, float (*sums)[kTileCols],
                      const T* prefetch) {
@@ -53,7 +75,7 @@ inline void tile_dot(const T* w, int64_t ldw, const T* const* xs, int64_t K, flo
       for (int r = 0; r < R; ++r) _mm_prefetch(pf + (k * R + r * step) * sizeof(T), _MM_HINT_T0);
     }
     if constexpr (std::is_same_v<T, float>) {
-      const __mmask16 m = left >= 16 ? __mmask16(0xffff) : __mmask16((1u << left) - 1);
+      const __mmask16 m = tail_mask16(left);
       __m512 xv[C];
 #pragma GCC unroll 4
       for (int c = 0; c < C; ++c) xv[c] = _mm512_maskz_loadu_ps(m, xs[c] + k);
@@ -65,7 +87,7 @@ inline void tile_dot(const T* w, int64_t ldw, const T* const* xs, int64_t K, flo
       }
     } else {
 #if defined(__AVX512BF16__)
-      const __mmask32 m = left >= 32 ? __mmask32(0xffffffffu) : __mmask32((1u << left) - 1);
+      const __mmask32 m = tail_mask32(left);
       __m512bh xv[C];
 #pragma GCC unroll 4
       for (int c = 0; c < C; ++c) xv[c] = (__m512bh)_mm512_maskz_loadu_epi16(m, xs[c] + k);
