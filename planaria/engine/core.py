@@ -116,7 +116,7 @@ class EngineCore:
         self.runner.structured = self.structured  # grammar bitmasks, filled during the forward
         # Aborts from another thread (queue_aborts), applied between a forward and its output
         # update, so an abort that arrives mid-forward yields no token of that step.
-        self.aborts_queue: queue.Queue[list[Request]] = queue.Queue()
+        self.aborts_queue: queue.SimpleQueue[list[Request]] = queue.SimpleQueue()
         self._pending_outputs: list[EngineCoreOutput] = []
         self.step_counter = 0
         self._inflight: SchedulerOutput | None = None
@@ -334,8 +334,13 @@ class EngineCore:
         return outs
 
     def _output(self, req: Request, new_tokens: list[int]) -> EngineCoreOutput:
-        reason = FINISH_REASONS.get(req.status)
+        status = req.status
         lp = req.extra.pop("_new_logprobs", None)
+        if status is RequestStatus.RUNNING and lp is None and req.prompt_logprobs is None:
+            # the common case, once per request per step: no more fields than it has
+            return EngineCoreOutput(request_id=req.request_id, new_token_ids=new_tokens,
+                                    num_cached_tokens=req.num_cached_tokens, weight_version=self.weight_version)
+        reason = FINISH_REASONS.get(status)
         code = req.extra.get(_ERROR_CODE_KEY, OutputErrorCode.INTERNAL) if reason == "error" else None
         return EngineCoreOutput(
             request_id=req.request_id, new_token_ids=new_tokens, finish_reason=reason,
@@ -378,11 +383,8 @@ class EngineCore:
 
     def _process_aborts_queue(self) -> None:
         live = self.scheduler.requests
-        while True:
-            try:
-                reqs = self.aborts_queue.get_nowait()
-            except queue.Empty:
-                return
+        while not self.aborts_queue.empty():  # this thread is its only reader (twice a step: no try/except)
+            reqs = self.aborts_queue.get_nowait()
             self.abort_requests([r.request_id for r in reqs if live.get(r.request_id) is r])
 
     def _take_pending(self) -> list[EngineCoreOutput]:

@@ -1,6 +1,14 @@
-"""Per-request block tables over a BlockPool, with prefix-cache lookups. Pure Python."""
+"""Per-request block tables over a BlockPool, with prefix-cache lookups. No torch.
+
+Each request that holds blocks also has a row of ``block_table`` (numpy, int64), kept as
+its blocks change: a decode step reads its batch's rows with one fancy index
+(``decode_table``) instead of turning 64 Python lists into an array, which cost more than
+the rest of the step's attention metadata at 64 sequences (Python objects the forward has
+pushed out of the caches). Rows past a request's own blocks are 0 (a valid block id)."""
 
 from __future__ import annotations
+
+import numpy as np
 
 from planaria.engine.block_pool import BlockPool, hash_request_blocks
 from planaria.engine.request import Request
@@ -13,6 +21,9 @@ class KVCacheManager:
         self.enable_caching = enable_caching
         self.req_to_blocks: dict[str, list[int]] = {}
         self._num_cached_blocks: dict[str, int] = {}  # blocks of a request already hashed into the cache
+        self.block_table = np.zeros((16, 16), dtype=np.int64)  # grows (doubling) in rows and columns
+        self.table_rows: dict[str, int] = {}  # request id -> its row of block_table
+        self._free_rows = list(range(15, -1, -1))
 
     @property
     def usage(self) -> float:
@@ -58,13 +69,22 @@ class KVCacheManager:
         in ``req.num_computed_tokens`` by the caller.
         """
         blocks = self.req_to_blocks.get(req.request_id)
-        if blocks is None:
-            blocks = []
-            computed_blocks = computed_blocks or []
-        else:
-            computed_blocks = []
+        if blocks is not None:  # a running request (the common case: one decode token)
+            num_tokens = req.num_computed_tokens + num_new_tokens
+            needed = -(-num_tokens // self.block_size) - len(blocks)
+            if needed > 0:
+                if needed > self.pool.num_free_blocks:
+                    return None
+                have = len(blocks)
+                blocks.extend(self.pool.allocate(needed))
+                self._write_row(req.request_id, blocks, have)
+            if self.enable_caching and num_tokens // self.block_size > self._num_cached_blocks.get(req.request_id, 0):
+                self._cache_full_blocks(req, num_tokens)
+            return blocks
+        blocks = []
+        computed_blocks = computed_blocks or []
         num_computed = req.num_computed_tokens
-        needed = -(-(num_computed + num_new_tokens) // self.block_size) - len(blocks) - len(computed_blocks)
+        needed = -(-(num_computed + num_new_tokens) // self.block_size) - len(computed_blocks)
         num_evictable_hits = sum(1 for b in computed_blocks if self.pool.ref_cnt[b] == 0)
         if needed > self.pool.num_free_blocks - num_evictable_hits:
             return None
@@ -75,6 +95,7 @@ class KVCacheManager:
         if needed > 0:
             blocks.extend(self.pool.allocate(needed))
         self.req_to_blocks[req.request_id] = blocks
+        self._write_row(req.request_id, blocks, 0)
         if self.enable_caching:
             self._cache_full_blocks(req, num_computed + num_new_tokens)
         return blocks
@@ -95,8 +116,34 @@ class KVCacheManager:
     def free(self, req: Request) -> None:
         blocks = self.req_to_blocks.pop(req.request_id, None)
         self._num_cached_blocks.pop(req.request_id, None)
+        row = self.table_rows.pop(req.request_id, None)
+        if row is not None:
+            self.block_table[row, :len(blocks)] = 0
+            self._free_rows.append(row)
         if blocks:
             self.pool.free(reversed(blocks))
+
+    def _write_row(self, request_id: str, blocks: list[int], start: int) -> None:
+        """blocks[start:] into the request's row (a new row for a new request)."""
+        row = self.table_rows.get(request_id)
+        if row is None:
+            if not self._free_rows:  # twice the rows
+                n = self.block_table.shape[0]
+                self.block_table = np.concatenate([self.block_table, np.zeros_like(self.block_table)])
+                self._free_rows.extend(range(2 * n - 1, n - 1, -1))
+            row = self.table_rows[request_id] = self._free_rows.pop()
+        cols = self.block_table.shape[1]
+        if len(blocks) > cols:  # at least twice the columns
+            grown = np.zeros((self.block_table.shape[0], max(2 * cols, len(blocks))), dtype=np.int64)
+            grown[:, :cols] = self.block_table
+            self.block_table = grown
+        self.block_table[row, start:len(blocks)] = blocks[start:]
+
+    def decode_table(self, request_ids: list[str], num_blocks: int) -> np.ndarray:
+        """[len(request_ids), num_blocks] int64: the first num_blocks blocks of each
+        request (0 past its own), a copy."""
+        rows = [self.table_rows[r] for r in request_ids]
+        return self.block_table[rows, :num_blocks]
 
     def reset_prefix_cache(self) -> bool:
         return self.pool.reset_prefix_cache()

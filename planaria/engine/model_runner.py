@@ -23,7 +23,7 @@ from planaria.engine.sampler import Sampler
 from planaria.engine.sampling_metadata import SamplingMetadata
 from planaria.engine.scheduler import SchedulerOutput
 from planaria.kernels import cpu_ext
-from planaria.kernels.attention import build_metadata
+from planaria.kernels.attention import build_metadata, long_tensor
 
 log = structlog.get_logger("planaria.engine.runner")
 
@@ -142,43 +142,59 @@ class ModelRunner:
         if fault == "fatal":
             raise RuntimeError("injected fatal fault")
         scheduled = sched.scheduled
-        # Decodes (one new token, some context) first, then prefill chunks.
-        decode_idx = [i for i, s in enumerate(scheduled) if s.num_tokens == 1 and s.start_pos > 0]
-        decode_set = set(decode_idx)
-        prefill_idx = [i for i in range(len(scheduled)) if i not in decode_set]
-        order = decode_idx + prefill_idx
-
+        bs = self.block_size
+        # Decodes (one new token, some context) first, then prefill chunks; one pass lays
+        # out the decodes (at 64 sequences every per-request step here counts).
         ids: list[int] = []
         pos: list[int] = []
-        logit_rows: list[int] = []  # flat row of the last token, per sampling request (in `order`)
-        sample_slots: list[int] = []  # index into `scheduled` of each logit row
-        for i in decode_idx:
-            s = scheduled[i]
-            ids.append(s.req.all_token_ids[s.start_pos])
-            pos.append(s.start_pos)
+        decode_idx: list[int] = []
+        prefill_idx: list[int] = []
+        dec_ctx: list[int] = []
+        dec_slots: list[int] = []  # each decode token's own cache slot
+        want_prompt_lps = False
+        for i, s in enumerate(scheduled):
+            p = s.start_pos
+            if s.decode:
+                decode_idx.append(i)
+                ids.append(s.req.all_token_ids[p])
+                pos.append(p)
+                dec_ctx.append(p + 1)
+                dec_slots.append(s.block_ids[p // bs] * bs + p % bs)
+            else:
+                prefill_idx.append(i)
+            if s.req.prompt_logprobs is not None:
+                want_prompt_lps = True
         for i in prefill_idx:
             s = scheduled[i]
             ids.extend(s.req.all_token_ids[s.start_pos:s.start_pos + s.num_tokens])
             pos.extend(range(s.start_pos, s.start_pos + s.num_tokens))
-        row = 0
-        first_rows = [0] * len(scheduled)  # flat row of each request's first token in this step
-        for i in order:
-            s = scheduled[i]
-            first_rows[i] = row
-            row += s.num_tokens
-            if s.samples:
-                logit_rows.append(row - 1)
-                sample_slots.append(i)
-        prompt_plan = prompt_logprobs.plan_rows(scheduled, first_rows)
+        if not prefill_idx:  # decode-only: row i is scheduled[i]
+            sample_slots = [i for i, s in enumerate(scheduled) if s.samples]  # index into `scheduled` per logit row
+            logit_rows = sample_slots  # flat row of the last token, per sampling request
+            first_rows = list(range(len(scheduled))) if want_prompt_lps else None
+        else:
+            logit_rows, sample_slots = [], []
+            row = 0
+            first_rows = [0] * len(scheduled)  # flat row of each request's first token in this step
+            for i in decode_idx + prefill_idx:
+                s = scheduled[i]
+                first_rows[i] = row
+                row += s.num_tokens
+                if s.samples:
+                    logit_rows.append(row - 1)
+                    sample_slots.append(i)
+        prompt_plan = prompt_logprobs.plan_rows(scheduled, first_rows) if want_prompt_lps else None
 
+        dec_tables = sched.decode_block_table  # numpy, copied at scheduling
+        if dec_tables is None and decode_idx:  # a SchedulerOutput made elsewhere
+            dec_tables = [scheduled[i].block_ids for i in decode_idx]
         md = build_metadata(
-            [scheduled[i].block_ids for i in decode_idx],
-            [scheduled[i].start_pos + 1 for i in decode_idx],
+            dec_tables, dec_ctx,
             [(scheduled[i].block_ids, scheduled[i].start_pos, scheduled[i].num_tokens) for i in prefill_idx],
-            self.block_size, self.device)
+            bs, self.device, decode_slots=dec_slots)
         with torch.inference_mode():
-            input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
-            positions = torch.tensor(pos, dtype=torch.long, device=self.device)
+            input_ids = long_tensor(ids, self.device)
+            positions = long_tensor(pos, self.device)
             # grammar masks fill on a thread while the model runs (None: no grammar in the batch)
             grammar = (self.structured.start_bitmask([scheduled[i].req for i in sample_slots])
                        if self.structured is not None and sample_slots else None)
@@ -211,11 +227,16 @@ class ModelRunner:
                         [reqs[j].request_id for j in stuck],
                         "no token can be sampled: allowed_token_ids, bad_words, min_tokens and the "
                         "structured output grammar together exclude every token", request_fault=True)
-                bad = [r.request_id for r, t in zip(reqs, tokens) if not 0 <= t < self.spec.vocab_size]
-                if bad:
-                    raise RequestExecutionError(bad, "sampling produced an invalid token (non-finite logits?)")
-                for j, i in enumerate(sample_slots):
-                    sampled[i] = tokens[j]
+                # an argmax over vocab_size columns is always a token; sampling may not be
+                if not smd.plain_greedy or logits.shape[-1] > self.spec.vocab_size:
+                    bad = [r.request_id for r, t in zip(reqs, tokens) if not 0 <= t < self.spec.vocab_size]
+                    if bad:
+                        raise RequestExecutionError(bad, "sampling produced an invalid token (non-finite logits?)")
+                if not prefill_idx and len(tokens) == len(scheduled):  # rows in `scheduled` order
+                    sampled = tokens
+                else:
+                    for j, i in enumerate(sample_slots):
+                        sampled[i] = tokens[j]
                 if out.logprobs is not None:
                     logprobs = [None] * len(scheduled)
                     for j, i in enumerate(sample_slots):

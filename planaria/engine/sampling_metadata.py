@@ -114,8 +114,8 @@ class SamplingMetadata:
               device: torch.device | str) -> SamplingMetadata:
         n = len(requests)
         for req in requests:
-            row = _row_params(req)
-            if not row.plain_greedy or req.num_output_tokens < row.min_tokens:
+            row = req.extra.get(ROW_PARAMS_KEY) or _row_params(req)
+            if not row.plain_greedy or (row.min_tokens and len(req.output_token_ids) < row.min_tokens):
                 break
         else:
             return cls(n, all_greedy=True, all_random=False)

@@ -13,18 +13,21 @@ import heapq
 from collections import deque
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from planaria.engine.kv_cache_manager import KVCacheManager
 from planaria.engine.prefix_groups import PrefixGroups
 from planaria.engine.request import Request, RequestStatus
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduledRequest:
     req: Request
     num_tokens: int  # tokens computed for this request in this step
     start_pos: int  # num_computed_tokens before this step
     block_ids: list[int]
     samples: bool  # the step ends at the last known token: a new token is sampled
+    decode: bool = False  # one token with context before it: attention reads the paged cache
 
 
 @dataclass
@@ -32,6 +35,11 @@ class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     num_batched_tokens: int = 0
     preempted_req_ids: list[str] = field(default_factory=list)
+    # The decodes' block tables, in the order of `scheduled`, a copy taken when the batch
+    # was scheduled (KVCacheManager.decode_table): [decodes, most blocks of any] int64.
+    decode_block_table: np.ndarray | None = None
+    decode_ids: list[str] = field(default_factory=list)
+    decode_num_blocks: int = 0
 
     @property
     def empty(self) -> bool:
@@ -137,17 +145,17 @@ class Scheduler:
         out = SchedulerOutput()
         self._release_siblings()
         budget = self.max_num_batched_tokens
-        scheduled_ids: set[str] = set()
 
         # 1. Running requests, in order; preempt from the tail when blocks run out.
         i = 0
+        max_model_len = self.max_model_len
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             if req.in_flight:
                 i += 1
                 continue
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget,
-                          self.max_model_len - req.num_computed_tokens)
+            computed = req.num_computed_tokens
+            num_new = min(len(req.all_token_ids) - computed, budget, max_model_len - computed)
             if num_new <= 0:
                 i += 1
                 continue
@@ -155,7 +163,7 @@ class Scheduler:
                 blocks = self.kv.allocate_slots(req, num_new)
                 if blocks is not None:
                     break
-                victim = self._pick_victim(exclude=scheduled_ids)
+                victim = self._pick_victim()  # never one scheduled in this step: it is in flight
                 if victim is None or victim is req:
                     self._preempt(req, out)
                     break
@@ -164,7 +172,6 @@ class Scheduler:
             if req.status != RequestStatus.RUNNING:
                 continue  # req itself was preempted; running[i] is now the next one
             self._emit(out, req, num_new, blocks)
-            scheduled_ids.add(req.request_id)
             budget -= num_new
             i += 1
 
@@ -192,21 +199,28 @@ class Scheduler:
                     req.num_cached_tokens = num_computed
                 self.running.append(req)
                 self._emit(out, req, num_new, blocks)
-                scheduled_ids.add(req.request_id)
                 budget -= num_new
                 if self.groups.has_waiters(req.group_id):
                     self._release_siblings()  # into this very batch, if the budget allows
         out.num_batched_tokens = self.max_num_batched_tokens - budget
+        if out.decode_ids:
+            out.decode_block_table = self.kv.decode_table(out.decode_ids, out.decode_num_blocks)
         return out
 
     def _emit(self, out: SchedulerOutput, req: Request, num_new: int, blocks: list[int]) -> None:
         start = req.num_computed_tokens
-        req.num_computed_tokens += num_new
-        if not req.num_preemptions and start < req.num_prompt_tokens:
-            self.num_prefill_tokens += min(req.num_computed_tokens, req.num_prompt_tokens) - start
-        samples = req.num_computed_tokens == req.num_tokens
+        end = req.num_computed_tokens = start + num_new
+        num_prompt = len(req.prompt_token_ids)
+        if start < num_prompt and not req.num_preemptions:
+            self.num_prefill_tokens += min(end, num_prompt) - start
         req.in_flight = True
-        out.scheduled.append(ScheduledRequest(req, num_new, start, blocks, samples))
+        decode = num_new == 1 and start > 0
+        if decode:
+            out.decode_ids.append(req.request_id)
+            nb = start // self.kv.block_size + 1
+            if nb > out.decode_num_blocks:
+                out.decode_num_blocks = nb
+        out.scheduled.append(ScheduledRequest(req, num_new, start, blocks, end == len(req.all_token_ids), decode))
 
     def preempt_running(self) -> list[str]:
         """Preempt every running request that is not in flight (they recompute their KV)."""
@@ -215,8 +229,8 @@ class Scheduler:
             self._preempt(req, out)
         return out.preempted_req_ids
 
-    def _pick_victim(self, exclude: set[str]) -> Request | None:
-        candidates = [r for r in self.running if r.request_id not in exclude and not r.in_flight]
+    def _pick_victim(self) -> Request | None:
+        candidates = [r for r in self.running if not r.in_flight]
         if not candidates:
             return None
         if self.policy == "priority":
@@ -239,14 +253,14 @@ class Scheduler:
         False: a partial prefill). Returns the requests that got a token, finished or not;
         finished ones are already removed and their blocks freed."""
         touched: list[Request] = []
+        running = RequestStatus.RUNNING
         for sr, token in zip(sched.scheduled, sampled):
             req = sr.req
             req.in_flight = False
-            if req.status != RequestStatus.RUNNING:
-                continue  # aborted or preempted while in flight
-            if not sr.samples:
-                continue
-            req.append_output_token(token)
+            if req.status is not running or not sr.samples:
+                continue  # aborted or preempted while in flight; or a partial prefill
+            req.output_token_ids.append(token)  # Request.append_output_token, inlined (per token)
+            req.all_token_ids.append(token)
             touched.append(req)
             status = self._check_stop(req, token)
             if status is not None:
@@ -255,14 +269,15 @@ class Scheduler:
 
     def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
         params = req.sampling_params
-        if req.num_output_tokens >= params.min_tokens:
+        num_output = len(req.output_token_ids)
+        if num_output >= params.min_tokens:
             if token == req.eos_token_id and not params.ignore_eos:
                 req.stop_reason = None
                 return RequestStatus.FINISHED_STOPPED
-            if token in params.stop_token_ids:
+            if params.stop_token_ids and token in params.stop_token_ids:
                 req.stop_reason = token
                 return RequestStatus.FINISHED_STOPPED
-        if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len:
+        if num_output >= req.max_tokens or len(req.all_token_ids) >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None
 

@@ -35,6 +35,9 @@ EXT_DIR = Path(__file__).resolve().parent / "_ext"
 _BUILD_RECIPE = "2: -ffast-math compile only"  # change it when build() changes
 OPS = ("argmax_rows", "decode_attention", "fused_moe", "rms_norm", "skinny_linear")
 _state: dict[str, object] = {}
+# PLANARIA_CPU_KERNELS, read once: ``available()`` runs a few hundred times per forward,
+# and an os.environ lookup costs about a microsecond. Tests flip it (monkeypatch.setattr).
+enabled: bool = os.environ.get(ENV, "1") != "0"
 
 
 def cpu_flags() -> str:
@@ -110,10 +113,11 @@ def build(verbose: bool = False) -> Path:
 
 def available() -> bool:
     """Loads the built library once; False (the torch code is used) when it is missing,
-    cannot be loaded, or PLANARIA_CPU_KERNELS=0."""
-    if os.environ.get(ENV, "1") == "0":
+    cannot be loaded, or PLANARIA_CPU_KERNELS=0 (``enabled``)."""
+    if not enabled:
         return False
-    if "ok" not in _state:
+    ok = _state.get("ok")
+    if ok is None:
         ok = False
         path = library_path()
         if path.is_file():
@@ -125,12 +129,12 @@ def available() -> bool:
         else:
             _state["error"] = f"not built ({path} missing): python -m planaria.kernels.cpu_ext"
         _state["ok"] = ok
-    return bool(_state["ok"])
+    return ok
 
 
 def status() -> str:
     """One line for logs: loaded, or why not."""
-    if os.environ.get(ENV, "1") == "0":
+    if not enabled:
         return f"off ({ENV}=0)"
     return "loaded" if available() else str(_state.get("error"))
 

@@ -70,9 +70,9 @@ def test_bf16_engine_packs_and_a_weight_swap_repacks(ckpts, monkeypatch, cpp):
     # the fused MoE kernel reads the parameters and the experts are not packed
     if cpp:
         cpu_ext.build()
-        monkeypatch.delenv(cpu_ext.ENV, raising=False)
+        monkeypatch.setattr(cpu_ext, "enabled", True)
     else:
-        monkeypatch.setenv(cpu_ext.ENV, "0")
+        monkeypatch.setattr(cpu_ext, "enabled", False)
     core = _core(ckpts["a"], monkeypatch, packed=True)
     runner = core.runner
     linears = [m for m in runner.model.modules() if getattr(m, "packed", None) is not None]

@@ -179,3 +179,35 @@ def test_priority_preemption_picks_lowest_priority_latest_arrival(first, later, 
         assert out.preempted_req_ids == [victim]
         assert {sr.req.request_id for sr in out.scheduled} == {first[0][0], first[1][0], rid} - {victim}
         assert s.requests[victim].status == RequestStatus.PREEMPTED
+
+
+def test_decode_block_table_follows_every_request_blocks():
+    """The decodes' block table copied at scheduling (KVCacheManager.block_table rows,
+    kept as blocks come and go) equals each request's block list, 0-padded: through row
+    and column growth (40 requests, 30-block prompts), preemption (a pool too small for
+    all), prefix hits (shared prompt heads) and finished requests' rows reused."""
+    import random
+
+    rng = random.Random(0)
+    s = sched(num_blocks=120, block_size=4, max_seqs=40, budget=256, max_len=256)
+    for i in range(40):
+        s.add_request(req(f"r{i}", rng.randint(5, 120), max_tokens=rng.randint(1, 40), base=1000 * (i % 3)))
+    checked = 0
+    while s.requests:
+        out = s.schedule()
+        decodes = [x for x in out.scheduled if x.decode]
+        assert [x.req.request_id for x in decodes] == out.decode_ids
+        if decodes:
+            table = out.decode_block_table
+            assert table.shape == (len(decodes), max(x.start_pos // 4 + 1 for x in decodes))
+            for row, x in zip(table.tolist(), decodes):
+                n = min(len(x.block_ids), len(row))
+                assert row[:n] == x.block_ids[:n] and not any(row[n:])
+                assert x.start_pos // 4 < len(x.block_ids)
+                checked += 1
+        s.update_from_output(out, [7] * len(out.scheduled))
+        kv = s.kv
+        free_rows = set(range(kv.block_table.shape[0])) - set(kv.table_rows.values())
+        assert not kv.block_table[sorted(free_rows)].any()  # a freed row is zeroed for its next owner
+    assert checked > 200 and s.num_preemptions > 0
+    assert kv.block_table.shape[0] >= 32 and kv.block_table.shape[1] >= 32  # both grew

@@ -48,9 +48,9 @@ def decode_path(request, monkeypatch):
     """The torch matmul path (_decode_gqa) and the C++ in-place kernel
     (kernels/csrc/decode_attention.cpp, built here if `make venv` has not)."""
     if request.param == "torch":
-        monkeypatch.setenv(cpu_ext.ENV, "0")
+        monkeypatch.setattr(cpu_ext, "enabled", False)
     else:
-        monkeypatch.delenv(cpu_ext.ENV, raising=False)
+        monkeypatch.setattr(cpu_ext, "enabled", True)
         cpu_ext.build()
         assert cpu_ext.available(), cpu_ext.status()
     return request.param

@@ -108,9 +108,9 @@ def test_bad_arguments_are_errors(bad, match):
 
 
 def test_switch_and_status(monkeypatch):
-    monkeypatch.setenv(cpu_ext.ENV, "0")
+    monkeypatch.setattr(cpu_ext, "enabled", False)
     assert not cpu_ext.available() and "off" in cpu_ext.status()
-    monkeypatch.delenv(cpu_ext.ENV)
+    monkeypatch.setattr(cpu_ext, "enabled", True)
     assert cpu_ext.available() and cpu_ext.status() == "loaded"
     assert cpu_ext.library_path().parent.name == cpu_ext.tag()
 
@@ -193,7 +193,7 @@ def test_rms_norm_matches_the_torch_code(monkeypatch, dtype, shape):
     w = (torch.rand(shape[-1], generator=g) + 0.5).to(dtype)
     got = rms_norm(x, w, 1e-6)
     assert got.dtype == dtype and got.shape == x.shape
-    monkeypatch.setenv(cpu_ext.ENV, "0")
+    monkeypatch.setattr(cpu_ext, "enabled", False)
     ref = rms_norm(x, w, 1e-6)
     # the same rounding steps; a sum of squares in another order may move a value by one ulp
     torch.testing.assert_close(got.float(), ref.float(), rtol=1e-2, atol=1e-2)
@@ -207,7 +207,7 @@ def test_rms_norm_reads_heads_out_of_the_fused_projection(monkeypatch):
     q = qkv[:, :8 * 16].view(5, 8, 16)  # rows of 16 with a token stride of 192: not contiguous
     w = torch.rand(16).bfloat16() + 0.5
     got = rms_norm(q, w, 1e-5)
-    monkeypatch.setenv(cpu_ext.ENV, "0")
+    monkeypatch.setattr(cpu_ext, "enabled", False)
     assert got.is_contiguous()
     torch.testing.assert_close(got.float(), rms_norm(q, w, 1e-5).float(), rtol=1e-2, atol=1e-2)
 
@@ -274,9 +274,9 @@ def test_argmax_rows_takes_the_kernel_and_bad_arguments_are_errors(monkeypatch):
     from planaria.kernels.sampling import argmax_rows
 
     x = torch.randn(4, 4096).bfloat16()
-    monkeypatch.setenv(cpu_ext.ENV, "0")
+    monkeypatch.setattr(cpu_ext, "enabled", False)
     ref = argmax_rows(x)  # the torch code (block maxima)
-    monkeypatch.delenv(cpu_ext.ENV)
+    monkeypatch.setattr(cpu_ext, "enabled", True)
     assert torch.equal(argmax_rows(x), ref)
     with pytest.raises(RuntimeError, match="contiguous"):
         torch.ops.planaria.argmax_rows(x.t())
@@ -332,11 +332,11 @@ def test_linear_takes_the_kernel_up_to_max_rows(monkeypatch):
         x = torch.randn(max(m, 1), 96)
         assert torch.allclose(lin.linear(x, w, b), torch.nn.functional.linear(x, w, b), atol=1e-5)
     assert calls == [m for m in (1, limit) if 0 < m <= limit]
-    monkeypatch.setenv(cpu_ext.ENV, "0")
+    monkeypatch.setattr(cpu_ext, "enabled", False)
     assert lin.max_rows(torch.float32) == 0
     lin.linear(torch.randn(1, 96), w, b)
     assert len(calls) == (2 if limit else 0)
-    monkeypatch.delenv(cpu_ext.ENV)
+    monkeypatch.setattr(cpu_ext, "enabled", True)
     assert lin.max_rows(torch.float16) == 0  # float16 keeps torch's GEMM
     if "avx512f" in cpu_ext.cpu_flags().split():
         assert limit == 64
