@@ -10,9 +10,9 @@
 #    rotary and a short engine generate on CUDA, fp32 and bf16, against the CPU);
 # 2. bench/gpu_decode.py: bf16 decode at 1 and 64 sequences against the weight-bytes /
 #    copy-bandwidth floor.
-# A compiled path (torch.compile / CUDA graphs) does not exist in Planaria yet: step 3
-# says so rather than timing something else. Output under $OUT (the device tool brings
-# it back) or /tmp/gpu-check.
+# 3. the same with --compile (engine/compiled.py: torch.compile of the decode forward,
+#    Inductor; no CUDA graphs yet), its compile time in the output.
+# Output under $OUT (the device tool brings it back) or /tmp/gpu-check.
 set -u -o pipefail
 OUT=${OUT:-/tmp/gpu-check}
 mkdir -p "$OUT"
@@ -37,6 +37,8 @@ timeout 240 $PY -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_kerne
 echo "== 2. bf16 decode vs the bandwidth floor"
 timeout 240 $PY -m bench.gpu_decode --conc 1,64 --json "$OUT/gpu_decode.json" 2>&1 \
     | tee "$OUT/gpu_decode.txt" || rc=1
-echo "== 3. compiled path: none yet (no torch.compile or CUDA graphs in Planaria); nothing timed"
+echo "== 3. compiled decode forward (torch.compile)"
+timeout 200 $PY -m bench.gpu_decode --conc 1,64 --compile --json "$OUT/gpu_decode_compiled.json" 2>&1 \
+    | tee "$OUT/gpu_decode_compiled.txt" || rc=1
 echo "gpu_check: rc=$rc in $(( $(date +%s) - start )) s"
 exit $rc

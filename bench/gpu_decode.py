@@ -41,6 +41,7 @@ def main() -> None:
     ap.add_argument("--model")
     ap.add_argument("--conc", default="1,64")
     ap.add_argument("--json")
+    ap.add_argument("--compile", action="store_true", help="EngineConfig.compile (engine/compiled.py)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("gpu_decode: torch sees no CUDA device")
@@ -55,7 +56,9 @@ def main() -> None:
     from planaria.engine import LLM
 
     llm = LLM(model, device="cuda", dtype="bfloat16", max_num_seqs=max(concs),
-              max_num_batched_tokens=max(2048, 128 * max(concs)), kv_cache_bytes=4 * 2**30)
+              max_num_batched_tokens=max(2048, 128 * max(concs)), kv_cache_bytes=4 * 2**30,
+              compile=args.compile)
+    print(f"compiled decode: {llm.core.runner.compile_status}", flush=True)
     bw = hbm_copy_bandwidth()
     print(f"gpu={torch.cuda.get_device_name()} torch={torch.__version__} model={model} "
           f"copy bandwidth {bw / 1e12:.2f} TB/s (read + write)", flush=True)

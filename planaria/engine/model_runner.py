@@ -64,6 +64,7 @@ class ModelRunner:
         self.packed_bytes = packing.pack_linears(self.model, self.device, self.dtype, experts=expert_range is None)
         self.weights_bytes += self.packed_bytes
         self.load_s = time.monotonic() - t0
+        self.expert_range = expert_range  # not None: an expert-parallel rank's share
         self.model_dir = config.model  # where the weights in place came from (a weight swap moves it)
         self.block_size = config.block_size
         self.max_positions = max_model_len  # rows of the rotary tables
@@ -74,6 +75,8 @@ class ModelRunner:
         self.forward_s = 0.0  # cumulative time in the model forward (bench/ reads it)
         self.last_num_tokens = 0
         self.structured = None  # engine.structured_output.StructuredOutputManager (EngineCore sets it)
+        self.compiled = None  # engine.compiled.CompiledDecode, once warmed up (config.compile)
+        self.compile_status = "off"  # shown by `planaria status`: off, on (warm-up seconds), or why not
 
     # -- KV cache sizing -------------------------------------------------------------------
     @property
@@ -114,6 +117,25 @@ class ModelRunner:
         self._allocate_kv(num_blocks)
         self.num_blocks = num_blocks
         return num_blocks
+
+    def compile_decode(self) -> None:
+        """config.compile: compile the decode forward now (engine/compiled.py), or say why not."""
+        from planaria.engine.compiled import CompiledDecode, compilable
+
+        why = compilable(self.model, expert_parallel=self.expert_range is not None)
+        if why is not None:
+            self.compiled, self.compile_status = None, f"off: {why}"
+            log.warning("compiled decode forward off", reason=why)
+            return
+        compiled = CompiledDecode(self.model)
+        try:
+            seconds = compiled.warm_up(self.kv_caches, self.block_size, self.config.max_num_seqs, self.device)
+        except Exception as exc:  # torch.compile's own failure: the engine serves eager
+            self.compiled, self.compile_status = None, f"off: compiling failed ({type(exc).__name__})"
+            log.error("compiled decode forward failed; running eager", error=str(exc)[:2000])
+            return
+        self.compiled, self.compile_status = compiled, f"on (compiled in {seconds:.1f} s)"
+        log.info("compiled decode forward ready", seconds=round(seconds, 1))
 
     def _allocate_kv(self, num_blocks: int, lazy: bool = True) -> None:
         """Zeroed K and V caches, [slots, Hkv, D] per layer. Zeros, not torch.empty: attention
@@ -199,7 +221,10 @@ class ModelRunner:
             grammar = (self.structured.start_bitmask([scheduled[i].req for i in sample_slots])
                        if self.structured is not None and sample_slots else None)
             f0 = time.perf_counter()
-            hidden = self.model(input_ids, positions, self.kv_caches, md)
+            if self.compiled is not None and not prefill_idx and decode_idx:
+                hidden = self.compiled(input_ids, positions, self.kv_caches, md)
+            else:
+                hidden = self.model(input_ids, positions, self.kv_caches, md)
             self.last_num_tokens = len(ids)
             if fault == "request" and scheduled:  # after the forward: EP peers stay in step
                 raise RequestExecutionError([scheduled[0].req.request_id], "injected request fault")

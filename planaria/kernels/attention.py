@@ -129,7 +129,9 @@ def paged_attention(
     k_cache.index_copy_(0, md.slot_mapping, k)
     v_cache.index_copy_(0, md.slot_mapping, v)
     out = torch.empty_like(q)
-    B = md.num_decode
+    # decode-only: the batch's own size (a compiled forward keeps it symbolic, while an
+    # int attribute would be a constant of the graph: engine/compiled.py)
+    B = q.shape[0] if not md.prefills else md.num_decode
     if B and q.device.type == "cpu" and cpu_ext.available():
         # in place from the paged cache (kernels/csrc/decode_attention.cpp): no gather
         torch.ops.planaria.decode_attention(q[:B].contiguous(), k_cache, v_cache, md.decode_blocks,

@@ -60,5 +60,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear with a weight packed by ``torch.ops.mkldnn._reorder_linear_weight``."""
+    """F.linear with a weight packed by ``torch.ops.mkldnn._reorder_linear_weight``. In a
+    compiled forward (engine/compiled.py) the same call goes through
+    ``torch.ops.planaria.packed_linear``: Inductor lowers the mkldnn op only for weights it
+    packed itself."""
+    if torch.compiler.is_compiling():
+        return torch.ops.planaria.packed_linear(x, packed, bias)
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")

@@ -57,3 +57,23 @@ def test_the_key_from_the_env_file(tmp_path):
     env_file = tmp_path / "planaria.env"
     env_file.write_text("PLANARIA_API_KEY=from-file\nPLANARIA_ARGS=--engines 1\n")
     assert config_mod.env_file_flags(env_file)["api_key"] == "from-file"
+
+
+def test_compile_flag_reaches_every_engine_with_the_cache_in_the_state_dir(tmp_path):
+    import json
+
+    from planaria.engine.config import EngineConfig
+
+    def engine_config(spec):
+        return EngineConfig(**json.loads(spec.argv[spec.argv.index("--config-json") + 1]))
+
+    cfg = _config(tmp_path, ["--compile"], {"STATE_DIRECTORY": str(tmp_path)})
+    launcher = Launcher(cfg, environ={"PATH": "/bin"})
+    spec = launcher.engine(1)
+    assert engine_config(spec).compile
+    assert spec.env["TORCHINDUCTOR_CACHE_DIR"] == str((tmp_path / "compile-cache").resolve())
+    off = Launcher(_config(tmp_path, [], {"STATE_DIRECTORY": str(tmp_path)}), environ={"PATH": "/bin"}).engine(0)
+    assert not engine_config(off).compile
+    # an operator's own cache location wins
+    mine = Launcher(cfg, environ={"PATH": "/bin", "TORCHINDUCTOR_CACHE_DIR": "/var/cache/x"}).engine(0)
+    assert mine.env["TORCHINDUCTOR_CACHE_DIR"] == "/var/cache/x"

@@ -352,3 +352,21 @@ def test_argmax_on_rows_of_few_distinct_values(dtype):
             idx = torch.tensor(choice)[torch.randint(len(choice), (6, length), generator=g)]
             x = pool[idx].to(dtype).contiguous()
             assert torch.equal(torch.ops.planaria.argmax_rows(x), x.argmax(-1)), (length, choice)
+
+
+def test_packed_linear_is_the_onednn_call():
+    """planaria::packed_linear (what a compiled forward calls; engine/compiled.py) gives
+    exactly torch.ops.mkldnn._linear_pointwise's result, with and without a bias."""
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("no oneDNN in this torch")
+    cpu_ext.build()
+    assert cpu_ext.available(), cpu_ext.status()
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(96, 80, generator=g).bfloat16()
+    b = torch.randn(96, generator=g).bfloat16()
+    packed = torch.ops.mkldnn._reorder_linear_weight(w)
+    for m in (1, 7, 33):
+        x = torch.randn(m, 80, generator=g).bfloat16()
+        for bias in (b, None):
+            ref = torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+            assert torch.equal(torch.ops.planaria.packed_linear(x, packed, bias), ref)

@@ -15,6 +15,8 @@
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/stack.h>
 #include <torch/library.h>
 
 #include "tile_dot.h"
@@ -116,8 +118,36 @@ at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& w, const c10::op
   return y;
 }
 
+// F.linear with a weight packed by torch.ops.mkldnn._reorder_linear_weight
+// (engine/models/packing.py): the same oneDNN call, under a name of our own. Inductor
+// lowers mkldnn._linear_pointwise only for weights it packed itself (frozen constants),
+// so a compiled forward (engine/compiled.py) calls this one, which it treats as opaque.
+at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias) {
+  static const c10::OperatorHandle op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+  torch::jit::Stack stack;
+  stack.reserve(6);
+  stack.emplace_back(x);
+  stack.emplace_back(packed);
+  stack.emplace_back(bias);
+  stack.emplace_back(std::string("none"));
+  stack.emplace_back(c10::List<c10::optional<at::Scalar>>());
+  stack.emplace_back(std::string(""));
+  op.callBoxed(&stack);
+  return stack[0].toTensor();
+}
+
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(planaria, m) { m.def("skinny_linear(Tensor x, Tensor w, Tensor? bias) -> Tensor"); }
+TORCH_LIBRARY_FRAGMENT(planaria, m) {
+  m.def("skinny_linear(Tensor x, Tensor w, Tensor? bias) -> Tensor");
+  m.def("packed_linear(Tensor x, Tensor packed, Tensor? bias) -> Tensor");
+}
 
-TORCH_LIBRARY_IMPL(planaria, CPU, m) { m.impl("skinny_linear", &skinny_linear); }
+TORCH_LIBRARY_IMPL(planaria, CPU, m) {
+  m.impl("skinny_linear", &skinny_linear);
+  m.impl("packed_linear", &packed_linear);
+}
+
+// the packed weight is an opaque oneDNN tensor: its dispatch key wins over x's
+TORCH_LIBRARY_IMPL(planaria, MkldnnCPU, m) { m.impl("packed_linear", &packed_linear); }
