@@ -12,25 +12,24 @@ in this process one engine with ``compile=True`` runs the offline workload of
 bench/offline_vs_vllm.py (N sequences x 128 prompt tokens, 64 output tokens, greedy,
 ignore_eos) alternately with the compiled graphs and with them switched off
 (``runner.compiled = None``: the same weights, KV cache and kernels), ``--reps`` times
-each; output tok/s are medians. Last, agreement: one decode batch of 64 sequences run
+each; output tok/s are medians. Last, agreement: one decode batch of the largest N sequences run
 both ways from the same state: top-1 agreement of the next token and the largest
 log-probability difference.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-from bench.engine_vs_transformers import OUT_LEN, prompts_for
-from bench.offline_vs_vllm import cpu_line, ensure_model, vocab_limit
+from bench.engine_vs_transformers import prompts_for, run_planaria
+from bench.offline_vs_vllm import ensure_model, vocab_limit
+from bench.step_overhead import parse_args
 
 _STARTUP = """
 import sys, time
@@ -50,20 +49,7 @@ def startup_s(model: Path, compile_: bool, cache: str) -> tuple[float, str]:
 
 
 def tok_s(llm, prompts) -> float:
-    from planaria.engine import SamplingParams
-    from planaria.engine.messages import EngineCoreRequest
-
-    core = llm.core
-    sp = SamplingParams(temperature=0.0, max_tokens=OUT_LEN, ignore_eos=True)
-    for i, p in enumerate(prompts):
-        core.add_request(EngineCoreRequest(request_id=f"c{time.monotonic_ns()}-{i}", prompt_token_ids=p,
-                                           sampling_params=sp))
-    n = 0
-    t0 = time.perf_counter()
-    while core.has_unfinished_requests():
-        outs, _ = core.step()
-        n += sum(len(o.new_token_ids) for o in outs)
-    return n / (time.perf_counter() - t0)
+    return run_planaria(llm, prompts)[0]
 
 
 def agreement(llm, prompts) -> dict:
@@ -102,14 +88,7 @@ def agreement(llm, prompts) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--models", default="smollm2,bench-moe")
-    ap.add_argument("--conc", default="1,16,32,64")
-    ap.add_argument("--reps", type=int, default=2)
-    ap.add_argument("--json", help="write results here")
-    args = ap.parse_args()
-    concs = [int(c) for c in args.conc.split(",")]
-    print(f"host: {cpu_line()}")
+    args, concs = parse_args(__doc__, reps=2)
     results = {}
     from planaria.engine import LLM
 
@@ -141,8 +120,8 @@ def main() -> None:
                 e, c = statistics.median(got["eager"]), statistics.median(got["compiled"])
                 rows.append(dict(seqs=n, eager_tok_s=round(e, 1), compiled_tok_s=round(c, 1), ratio=round(c / e, 2)))
                 print(f"{n:>5} {e:>12.1f} {c:>15.1f} {c / e:>6.2f}", flush=True)
-            agree = agreement(llm, [[t % limit + 1 for t in p] for p in prompts_for(64, seed=1)])
-            print(f"agreement at one decode step of 64 sequences: {agree}", flush=True)
+            agree = agreement(llm, [[t % limit + 1 for t in p] for p in prompts_for(max(concs), seed=1)])
+            print(f"agreement at one decode step of {agree['seqs']} sequences: {agree}", flush=True)
             results[name] = dict(startup=dict(eager_s=eager_s, compile_cold_s=cold_s, compile_warm_s=warm_s),
                                  throughput=rows, agreement=agree, dtype=str(runner.dtype))
             del llm, runner, compiled

@@ -97,15 +97,21 @@ def measure(model: Path, concs: list[int], reps: int) -> list[dict]:
     return rows
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def parse_args(doc: str, reps: int) -> tuple[argparse.Namespace, list[int]]:
+    """--models, --conc, --reps, --json of the in-process engine benchmarks (this one and
+    bench/compiled_forward.py); prints the host line."""
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     ap.add_argument("--models", default="smollm2,bench-moe")
     ap.add_argument("--conc", default="1,16,32,64")
-    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--reps", type=int, default=reps)
     ap.add_argument("--json", help="write results here")
     args = ap.parse_args()
-    concs = [int(c) for c in args.conc.split(",")]
     print(f"host: {cpu_line()}")
+    return args, [int(c) for c in args.conc.split(",")]
+
+
+def main() -> None:
+    args, concs = parse_args(__doc__, reps=3)
     results = {}
     for name in args.models.split(","):
         model = ensure_model(name)
