@@ -29,6 +29,7 @@ bench/compiled_forward.py.
 
 from __future__ import annotations
 
+import functools
 import time
 
 import structlog
@@ -38,14 +39,9 @@ from planaria.kernels.attention import AttentionMetadata, build_metadata
 
 log = structlog.get_logger("planaria.engine.compiled")
 
-_FAKES_REGISTERED = False
-
-
+@functools.cache
 def register_fake_kernels() -> None:
-    """Output shapes of the C++ ops for torch.compile's tracing (idempotent)."""
-    global _FAKES_REGISTERED
-    if _FAKES_REGISTERED:
-        return
+    """Output shapes of the C++ ops for torch.compile's tracing (once per process)."""
     lib = torch.library
 
     @lib.register_fake("planaria::decode_attention")
@@ -66,15 +62,12 @@ def register_fake_kernels() -> None:
 
     @lib.register_fake("planaria::packed_linear")
     def _packed_linear(x, packed, bias):
-        # the packed weight is opaque: its output width is the bias's or the op's own
-        # (a packed [N, K] weight reports its logical size)
+        # a packed [N, K] weight is an opaque oneDNN tensor, but it reports its logical size
         return x.new_empty((x.shape[0], packed.shape[0]))
 
     @lib.register_fake("planaria::argmax_rows")
     def _argmax_rows(x):
         return x.new_empty((x.shape[0],), dtype=torch.long)
-
-    _FAKES_REGISTERED = True
 
 
 def _inference(x: torch.Tensor) -> torch.Tensor:
@@ -99,7 +92,6 @@ class CompiledDecode:
         register_fake_kernels()
         self.model = model
         self.fn = torch.compile(model.forward, dynamic=False, fullgraph=True)
-        self.warm_up_s = 0.0
 
     def __call__(self, input_ids, positions, kv_caches, md: AttentionMetadata) -> torch.Tensor:
         with torch.inference_mode():
@@ -136,5 +128,4 @@ class CompiledDecode:
                 s0 = time.monotonic()
                 self(ids, ids.clone(), kv_caches, md)
             log.info("compiled decode forward warmed up", batch=n, seconds=round(time.monotonic() - s0, 2))
-        self.warm_up_s = time.monotonic() - t0
-        return self.warm_up_s
+        return time.monotonic() - t0

@@ -207,11 +207,8 @@ class ModelRunner:
                     sample_slots.append(i)
         prompt_plan = prompt_logprobs.plan_rows(scheduled, first_rows) if want_prompt_lps else None
 
-        dec_tables = sched.decode_block_table  # numpy, copied at scheduling
-        if dec_tables is None and decode_idx:  # a SchedulerOutput made elsewhere
-            dec_tables = [scheduled[i].block_ids for i in decode_idx]
         md = build_metadata(
-            dec_tables, dec_ctx,
+            sched.decode_block_table, dec_ctx,  # numpy, copied by Scheduler.schedule (which sets `decode`)
             [(scheduled[i].block_ids, scheduled[i].start_pos, scheduled[i].num_tokens) for i in prefill_idx],
             bs, self.device, decode_slots=dec_slots)
         with torch.inference_mode():
