@@ -19,7 +19,7 @@ from planaria.kernels.linear import packed_linear
 from planaria.engine.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.skipif(not packing.available(torch.device("cpu"), torch.bfloat16),
-                                reason="no oneDNN in this torch build")
+                                reason="no oneDNN bf16 weight packing here (no oneDNN, or an AVX2-only CPU)")
 CPU = torch.device("cpu")
 
 

@@ -19,6 +19,7 @@ parity tests compare token for token. ``PLANARIA_CPU_PACKED_LINEAR=0`` turns it 
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -30,7 +31,20 @@ ENV = "PLANARIA_CPU_PACKED_LINEAR"
 
 def available(device: torch.device, dtype: torch.dtype) -> bool:
     return (device.type == "cpu" and dtype == torch.bfloat16 and os.environ.get(ENV, "1") != "0"
-            and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+            and _onednn_bf16_packing())
+
+
+@functools.cache
+def _onednn_bf16_packing() -> bool:
+    """Whether this torch and CPU pack bfloat16 weights: oneDNN's bf16 path needs AVX512-BW/VL/DQ
+    or AVX-NE-CONVERT (an AVX2-only CPU raises), so a tiny weight is packed once to find out."""
+    if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
+        return False
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=torch.bfloat16), None)
+    except RuntimeError:
+        return False
+    return True
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:

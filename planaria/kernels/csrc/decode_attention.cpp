@@ -202,7 +202,7 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
         const int64_t base = table[i] * block_size, n = std::min(block_size, ctx - t);
         for (int64_t j = 0; j < n; ++j) slots[t++] = base + j;
       }
-      if constexpr (planaria_cpu::tile_dot_fast<T>()) {
+      if constexpr (planaria_cpu::avx512_fast<T>()) {
 #if defined(__AVX512F__)
         scores_fast<T>(qp + (b * Hq + h * G) * D, kp, vp, slot_stride, h * D, slots.data(), ctx, G, D, fscale,
                        scores.data());
@@ -236,7 +236,7 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
         denom[g] = sum > 0.f ? 1.f / sum : 0.f;
       }
       // acc_g = sum_t p_gt v_t
-      if constexpr (planaria_cpu::tile_dot_fast<T>()) {
+      if constexpr (planaria_cpu::avx512_fast<T>()) {
 #if defined(__AVX512F__)
         values_fast<T>(vp, slot_stride, h * D, slots.data(), ctx, G, D, scores.data(), acc.data());
 #endif

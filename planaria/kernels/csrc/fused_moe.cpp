@@ -41,7 +41,7 @@ template <typename T>
 void rows_times(const T* W, int64_t len, int64_t r0, int64_t r1, int64_t s0, int64_t s1,
                 const std::vector<const T*>& in_t, const std::vector<const float*>& in_f,
                 float* y, int64_t y_stride, std::vector<float>& wf, std::vector<float*>& outs) {
-#if defined(__AVX512F__)
+#if defined(PLANARIA_TILE_DOT)
   if constexpr (planaria_cpu::tile_dot_fast<T>()) {
     using planaria_cpu::kTileCols;
     using planaria_cpu::kTileRows;

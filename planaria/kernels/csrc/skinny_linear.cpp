@@ -6,10 +6,11 @@
 // weight is used M times), and torch's GEMM streams it at a fraction of what the memory
 // gives (tests/kernels/test_cpu_ext.py has the reference, bench/README.md the figures).
 // Here each tile of 4 weight rows is read once from memory and held in L1 while it meets
-// every row of x, 4 at a time (tile_dot.h: 16 float32 accumulators in registers, FMA or
-// AVX512-BF16's dot instruction); tiles of rows run in parallel. Without AVX-512 (or for
-// float16) each weight row is widened once and dotted with the widened rows of x
-// (tile_dot.h's dot_many, plain C++ the compiler vectorizes).
+// every row of x, 4 at a time (tile_dot.h: float32 accumulators in registers, AVX-512 or
+// AVX2 FMA, or AVX512-BF16's dot instruction); tiles of rows run in parallel. Where
+// tile_dot lacks the dtype (bfloat16 without AVX512-BF16, float16) each weight row is
+// widened once and dotted with the widened rows of x (tile_dot.h's dot_many, plain C++
+// the compiler vectorizes).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -35,7 +36,7 @@ inline void store(float v, float* p) { *p = v; }
 inline void store(float v, c10::BFloat16* p) { *p = c10::BFloat16(v); }
 inline void store(float v, c10::Half* p) { *p = c10::Half(v); }
 
-#if defined(__AVX512F__)
+#if defined(PLANARIA_TILE_DOT)
 // rows [n0, n0 + R) of y for every row of x, 4 rows of x per pass over the tile
 template <typename T>
 void row_tile(int R, const T* w, const T* xp, int64_t M, int64_t K, int64_t N, int64_t n0, const T* bias, T* y) {
@@ -75,7 +76,7 @@ void linear_kernel(const at::Tensor& x, const at::Tensor& w, const T* bias, at::
     for (int64_t t = begin; t < end; ++t) {
       const int64_t n0 = t * kTileRows;
       const int R = static_cast<int>(std::min<int64_t>(kTileRows, N - n0));
-#if defined(__AVX512F__)
+#if defined(PLANARIA_TILE_DOT)
       if constexpr (fast) row_tile<T>(R, wp + n0 * K, xp, M, K, N, n0, bias, yp);
 #endif
       if constexpr (!fast) {
