@@ -101,7 +101,10 @@ def main() -> None:
                     help="also run Planaria with EngineConfig.compile (engine/compiled.py): one more column")
     args = ap.parse_args()
     concs = [int(c) for c in args.conc.split(",")]
-    print(f"cpu: {cpu_line()}; torch threads {os.cpu_count()}; prompt 128, output {OUT_LEN}, greedy")
+    from planaria.kernels import cpu_ext
+
+    print(f"cpu: {cpu_line()}; torch threads {os.cpu_count()}; prompt 128, output {OUT_LEN}, greedy; "
+          f"planaria C++ kernels: {cpu_ext.status()}")
     results = []
     for name in args.models.split(","):
         model = ensure_model(name)

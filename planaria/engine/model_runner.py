@@ -236,21 +236,27 @@ class ModelRunner:
                     last = hidden
                 else:
                     last = hidden.index_select(0, torch.tensor(logit_rows, dtype=torch.long, device=self.device))
-                # argmax alone reads the logits in the model's dtype (no float32 copy)
-                logits = self.model.compute_logits(last, float32=grammar is not None or not smd.plain_greedy)
-                if grammar is not None:
-                    grammar.apply(logits, reqs)
-                self.forward_s += time.perf_counter() - f0
-                out = self.sampler(logits, smd)
-                tokens = out.sampled_token_ids.tolist()
-                stuck = out.rows_without_token()
-                if stuck:  # the request's own contradiction: e.g. allowed_token_ids all bad words
-                    raise RequestExecutionError(
-                        [reqs[j].request_id for j in stuck],
-                        "no token can be sampled: allowed_token_ids, bad_words, min_tokens and the "
-                        "structured output grammar together exclude every token", request_fault=True)
+                if smd.plain_greedy and grammar is None:
+                    # the argmax taken inside the lm_head, chunk by chunk (no logits written out)
+                    tokens = self.model.greedy_tokens(last).tolist()
+                    self.forward_s += time.perf_counter() - f0
+                    out = None
+                else:
+                    # argmax alone reads the logits in the model's dtype (no float32 copy)
+                    logits = self.model.compute_logits(last, float32=grammar is not None or not smd.plain_greedy)
+                    if grammar is not None:
+                        grammar.apply(logits, reqs)
+                    self.forward_s += time.perf_counter() - f0
+                    out = self.sampler(logits, smd)
+                    tokens = out.sampled_token_ids.tolist()
+                    stuck = out.rows_without_token()
+                    if stuck:  # the request's own contradiction: e.g. allowed_token_ids all bad words
+                        raise RequestExecutionError(
+                            [reqs[j].request_id for j in stuck],
+                            "no token can be sampled: allowed_token_ids, bad_words, min_tokens and the "
+                            "structured output grammar together exclude every token", request_fault=True)
                 # an argmax over vocab_size columns is always a token; sampling may not be
-                if not smd.plain_greedy or logits.shape[-1] > self.spec.vocab_size:
+                if not smd.plain_greedy or self.model.lm_head_weight().shape[0] > self.spec.vocab_size:
                     bad = [r.request_id for r, t in zip(reqs, tokens) if not 0 <= t < self.spec.vocab_size]
                     if bad:
                         raise RequestExecutionError(bad, "sampling produced an invalid token (non-finite logits?)")
@@ -259,7 +265,7 @@ class ModelRunner:
                 else:
                     for j, i in enumerate(sample_slots):
                         sampled[i] = tokens[j]
-                if out.logprobs is not None:
+                if out is not None and out.logprobs is not None:
                     logprobs = [None] * len(scheduled)
                     for j, i in enumerate(sample_slots):
                         logprobs[i] = out.logprobs[j]

@@ -14,7 +14,9 @@ attention read from the paged KV cache in place; ``torch.ops.planaria.fused_moe`
 weights once for all its tokens (AVX512-BF16's dot instruction where the CPU has it);
 ``torch.ops.planaria.rms_norm`` (csrc/rms_norm.cpp), RMSNorm in one op;
 ``torch.ops.planaria.argmax_rows`` (csrc/argmax.cpp), greedy sampling's argmax;
-``torch.ops.planaria.skinny_linear`` (csrc/skinny_linear.cpp), linears at a few rows.
+``torch.ops.planaria.skinny_linear`` (csrc/skinny_linear.cpp), linears at a few rows;
+``torch.ops.planaria.linear_argmax`` (csrc/lm_head_argmax.cpp), greedy tokens straight
+from the lm_head, a vocab chunk at a time.
 """
 
 from __future__ import annotations
@@ -33,7 +35,8 @@ ENV = "PLANARIA_CPU_KERNELS"
 SRC_DIR = Path(__file__).resolve().parent / "csrc"
 EXT_DIR = Path(__file__).resolve().parent / "_ext"
 _BUILD_RECIPE = "2: -ffast-math compile only"  # change it when build() changes
-OPS = ("argmax_rows", "decode_attention", "fused_moe", "packed_linear", "rms_norm", "skinny_linear")
+OPS = ("argmax_rows", "decode_attention", "fused_moe", "linear_argmax", "packed_linear", "rms_norm",
+       "skinny_linear")
 _state: dict[str, object] = {}
 # PLANARIA_CPU_KERNELS, read once: ``available()`` runs a few hundred times per forward,
 # and an os.environ lookup costs about a microsecond. Tests flip it (monkeypatch.setattr).

@@ -220,3 +220,31 @@ def test_non_finite_numbers_are_refused(field, value):
 
     with pytest.raises(InvalidRequestError, match=field):
         SamplingParams(**{field: value}).validate(V)
+
+
+def test_plain_greedy_batches_take_the_argmax_inside_the_lm_head(tiny_moe, monkeypatch):
+    """A plain greedy batch gets its tokens from model.greedy_tokens (with the C++ kernels
+    and more rows than the skinny linear takes, the argmax inside the lm_head a vocab chunk
+    at a time: kernels/linear.py); a batch that asks for logprobs from the logits and the
+    sampler. Both give the same tokens."""
+    from planaria.engine import LLM
+    from planaria.kernels import cpu_ext
+    from planaria.kernels import linear as lin
+
+    llm = LLM(tiny_moe, max_num_seqs=80, kv_cache_bytes=2**24)
+    model = llm.core.runner.model
+    rows, fused = [], []
+    real_greedy, real_op = model.greedy_tokens, torch.ops.planaria.linear_argmax if cpu_ext.available() else None
+    monkeypatch.setattr(model, "greedy_tokens", lambda h: rows.append(h.shape[0]) or real_greedy(h))
+    if real_op is not None:
+        monkeypatch.setattr(torch.ops.planaria, "linear_argmax", lambda *a: fused.append(a[0].shape[0]) or real_op(*a))
+    n = lin.max_rows(model.lm_head_weight().dtype) + 4  # a batch past the skinny kernel's rows
+    prompts = [[(7 * i + j) % 200 + 5 for j in range(6 + i % 5)] for i in range(n)]
+    plain = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+    assert rows and max(rows) == n
+    assert not cpu_ext.available() or max(fused) == n
+    rows.clear()
+    asked = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=1))
+    assert rows == []  # logprobs need the logits
+    assert [o.token_ids for o in plain] == [o.token_ids for o in asked]
+    assert all(len(o.token_ids) == 8 for o in plain)

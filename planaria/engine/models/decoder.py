@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from planaria.kernels.attention import AttentionMetadata, paged_attention
-from planaria.kernels.linear import linear
+from planaria.kernels.linear import linear, linear_argmax
 from planaria.kernels.moe import grouped_expert_mlp, route
 from planaria.kernels.norm import RMSNorm
 from planaria.kernels.rotary import RotaryEmbedding, apply_rotary
@@ -192,3 +192,8 @@ class DecoderModel(nn.Module):
         only take their argmax, which needs no float32 copy."""
         logits = linear(hidden, self.lm_head_weight(), None, self.lm_head_packed)
         return logits.float() if float32 else logits
+
+    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, H] -> [N] int64
+        """argmax of compute_logits(hidden), for plain greedy rows: where it can, the lm_head
+        takes each vocab chunk's argmax while the chunk is in cache (kernels/linear.py)."""
+        return linear_argmax(hidden, self.lm_head_weight(), self.lm_head_packed)
