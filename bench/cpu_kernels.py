@@ -9,7 +9,11 @@ Rows (median milliseconds of ``--reps`` calls after a warm-up, each op alone):
   takes the C++ kernel up to ``max_rows(dtype)`` rows on this host, printed;
 - lm_head + greedy argmax: ``linear_argmax`` (a vocab chunk at a time, the argmax taken
   while the chunk is in cache) vs ``F.linear`` then ``argmax_rows``, and ``F.linear``
-  alone, so the argmax's own cost shows (SmolLM2's 49152 x 576 head);
+  alone, so the argmax's own cost shows (SmolLM2's 49152 x 576 head); in bfloat16 where
+  oneDNN packs weights (the engine's lm_head there), also the packed head: whole (the GEMM
+  alone, then with ``argmax_rows``) against its chunks (engine/models/packing.py
+  ``pack_lm_head``): ``packed_linear_argmax`` and the logits ``packed_linear_chunked``,
+  timed in turn call by call (``--reps`` rounds), as the differences are a few percent;
 - fused MoE: ``torch.ops.planaria.fused_moe`` vs the torch code (bench-moe's 16 experts,
   top-2, 512 -> 512, routed at random) at 1-64 tokens.
 The host line (CPU model, AVX-512 / AVX2 flags) is printed; ratios are same-run.
@@ -78,6 +82,44 @@ def lm_head(dtype: torch.dtype, reps: int) -> list[dict]:
     return rows
 
 
+def side_by_side(fns: dict, reps: int) -> dict[str, float]:
+    """Median ms of each of ``fns``, called in turn, round after round (drift hits all)."""
+    for _ in range(3):
+        for fn in fns.values():
+            fn()
+    times = {k: [] for k in fns}
+    for _ in range(reps):
+        for k, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            times[k].append(time.perf_counter() - t0)
+    return {k: statistics.median(v) * 1e3 for k, v in times.items()}
+
+
+def lm_head_packed(dtype: torch.dtype, reps: int) -> list[dict]:
+    from planaria.engine.models import packing
+
+    if dtype != torch.bfloat16 or not packing.available(torch.device("cpu"), dtype):
+        return []
+    w = torch.randn(49152, 576).to(dtype)
+    whole, chunks = packing.pack(w), packing.pack_lm_head(w)
+    size = chunks[0].shape[0]
+    rows = []
+    for m in (16, 32, 64):
+        x = torch.randn(m, 576).to(dtype)
+        t = side_by_side({
+            "whole": lambda: lin.packed_linear(x, whole),
+            "whole_then_argmax": lambda: argmax_rows(lin.packed_linear(x, whole)),
+            "chunks_argmax": lambda: torch.ops.planaria.packed_linear_argmax(x, chunks, size),
+            "chunks_logits": lambda: torch.ops.planaria.packed_linear_chunked(x, chunks, size, False),
+        }, max(reps, 60))
+        rows.append(dict(op="packed_lm_head", rows=m, chunk=size, **{f"{k}_ms": round(v, 4) for k, v in t.items()}))
+        print(f"  packed lm_head {m:>3} rows  whole {t['whole']:7.3f}  whole+argmax {t['whole_then_argmax']:7.3f}"
+              f"  | {len(chunks)} chunks of {size}: argmax {t['chunks_argmax']:7.3f}  logits {t['chunks_logits']:7.3f}",
+              flush=True)
+    return rows
+
+
 def moe(dtype: torch.dtype, reps: int) -> list[dict]:
     g = torch.Generator().manual_seed(0)
     E, H, I, K = 16, 512, 512, 2
@@ -115,7 +157,8 @@ def main() -> None:
         for name in args.dtype.split(","):
             dtype = getattr(torch, name)
             print(f"{name}: kernels/linear.py takes the C++ linear up to {lin.max_rows(dtype)} rows here")
-            out[name] = linears(dtype, args.reps) + lm_head(dtype, args.reps) + moe(dtype, args.reps)
+            out[name] = (linears(dtype, args.reps) + lm_head(dtype, args.reps)
+                         + lm_head_packed(dtype, args.reps) + moe(dtype, args.reps))
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=2))
 

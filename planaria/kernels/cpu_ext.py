@@ -35,8 +35,8 @@ ENV = "PLANARIA_CPU_KERNELS"
 SRC_DIR = Path(__file__).resolve().parent / "csrc"
 EXT_DIR = Path(__file__).resolve().parent / "_ext"
 _BUILD_RECIPE = "2: -ffast-math compile only"  # change it when build() changes
-OPS = ("argmax_rows", "decode_attention", "fused_moe", "linear_argmax", "packed_linear", "rms_norm",
-       "skinny_linear")
+OPS = ("argmax_rows", "decode_attention", "fused_moe", "linear_argmax", "packed_linear", "packed_linear_argmax",
+       "packed_linear_chunked", "rms_norm", "skinny_linear")
 _state: dict[str, object] = {}
 # PLANARIA_CPU_KERNELS, read once: ``available()`` runs a few hundred times per forward,
 # and an os.environ lookup costs about a microsecond. Tests flip it (monkeypatch.setattr).

@@ -17,6 +17,9 @@ rows and F.linear (or the oneDNN-packed weight) otherwise:
   with AMX, oneDNN's AMX GEMM is kept (not measured against it);
 - float16, or a CPU without those instructions, or the C++ kernels not loaded: never.
 
+The lm_head has functions of its own: ``lm_head_logits`` and, for greedy rows,
+``linear_argmax`` (the argmax taken a vocab chunk at a time, inside the GEMM's work).
+
 Sums are float32 in a different order from torch's GEMM, so the float32 results differ
 from F.linear in the last bits; the float32 parity tests against transformers still
 compare greedy tokens exactly (tests/engine/test_parity*.py).
@@ -72,20 +75,40 @@ def lm_head_chunk(rows: int, dtype: torch.dtype) -> int:
     return max(256, min(4096, (256 << 10) // max(1, rows * elem) // 256 * 256))
 
 
-def linear_argmax(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None = None) -> torch.Tensor:
-    """``argmax_rows(linear(x, weight))`` -> [M] int64: greedy tokens from an lm_head.
+def lm_head_logits(x: torch.Tensor, weight: torch.Tensor, packed: list[torch.Tensor] | None = None,
+                   float32: bool = True) -> torch.Tensor:
+    """The lm_head's logits [M, V], float32 or (``float32=False``) the weight's dtype.
+    ``packed``: the weight packed for oneDNN as chunks of vocab rows
+    (engine/models/packing.py ``pack_lm_head``); several chunks go through
+    ``torch.ops.planaria.packed_linear_chunked``, which runs a chunk per thread and writes
+    it (widened to float32 there, when asked) into its columns while it is in cache."""
+    if packed is None or (x.dim() == 2 and 0 < x.shape[0] <= max_rows(weight.dtype)):
+        logits = linear(x, weight)
+    elif len(packed) == 1:
+        logits = packed_linear(x, packed[0])
+    else:
+        return torch.ops.planaria.packed_linear_chunked(x.contiguous(), packed, packed[0].shape[0], float32)
+    return logits.float() if float32 else logits
 
-    With the C++ kernels, a weight that is not oneDNN-packed and more rows than the
-    skinny kernel takes, ``torch.ops.planaria.linear_argmax`` (csrc/lm_head_argmax.cpp)
-    computes the logits a vocab chunk at a time and takes each chunk's argmax while it is
-    still in cache, instead of writing [M, V] logits and reading them back from memory.
-    Otherwise (and as the reference) the logits are computed whole."""
+
+def linear_argmax(x: torch.Tensor, weight: torch.Tensor, packed: list[torch.Tensor] | None = None) -> torch.Tensor:
+    """``argmax_rows(lm_head_logits(x, weight, packed))`` -> [M] int64: greedy tokens from an
+    lm_head.
+
+    With the C++ kernels and more rows than the skinny kernel takes, the logits are
+    computed a vocab chunk at a time and each chunk's argmax taken while it is still in
+    cache (csrc/lm_head_argmax.cpp), instead of writing [M, V] logits and reading them back
+    from memory: ``torch.ops.planaria.linear_argmax`` on the weight itself, or
+    ``packed_linear_argmax`` on its oneDNN-packed chunks. Otherwise (and as the reference)
+    the logits are computed whole."""
     m = x.shape[0]
-    if (packed is None and x.dim() == 2 and x.device.type == "cpu" and m > max_rows(weight.dtype)
-            and x.dtype == weight.dtype and x.dtype in _FUSED_ARGMAX_DTYPES and weight.is_contiguous()
-            and cpu_ext.available()):
-        return torch.ops.planaria.linear_argmax(x.contiguous(), weight, lm_head_chunk(m, x.dtype))
-    return argmax_rows(linear(x, weight, None, packed))
+    if (x.dim() == 2 and x.device.type == "cpu" and m > max_rows(weight.dtype) and x.dtype == weight.dtype
+            and x.dtype in _FUSED_ARGMAX_DTYPES and cpu_ext.available()):
+        if packed is None and weight.is_contiguous():
+            return torch.ops.planaria.linear_argmax(x.contiguous(), weight, lm_head_chunk(m, x.dtype))
+        if packed is not None and len(packed) > 1:
+            return torch.ops.planaria.packed_linear_argmax(x.contiguous(), packed, packed[0].shape[0])
+    return argmax_rows(lm_head_logits(x, weight, packed, float32=False))
 
 
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

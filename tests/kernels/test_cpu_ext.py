@@ -353,15 +353,108 @@ def test_greedy_tokens_take_the_fused_kernel_past_the_skinny_rows(monkeypatch):
         assert torch.equal(lin.linear_argmax(x, w), (x @ w.t()).argmax(-1))
     assert calls == [m for m in (1, small + 1, 64) if m > small]
     calls.clear()
-    x = torch.randint(-3, 4, (64, 64)).float()
+    x = torch.randint(-3, 4, (small + 1, 64)).float()  # past the skinny kernel's rows
     monkeypatch.setattr(cpu_ext, "enabled", False)  # no C++ kernels: the logits whole
     assert torch.equal(lin.linear_argmax(x, w), (x @ w.t()).argmax(-1))
     monkeypatch.setattr(cpu_ext, "enabled", True)
-    # a oneDNN-packed lm_head (bf16 hosts): the logits whole, through the packed GEMM
+    # a oneDNN-packed lm_head of one chunk (packed without the C++ kernels): the logits
+    # whole, through the packed GEMM
     packed_calls = []
-    monkeypatch.setattr(lin, "packed_linear", lambda x, p, b: packed_calls.append(p) or F.linear(x, w))
-    assert torch.equal(lin.linear_argmax(x, w, "packed"), (x @ w.t()).argmax(-1))
+    monkeypatch.setattr(lin, "packed_linear", lambda x, p, b=None: packed_calls.append(p) or F.linear(x, w))
+    assert torch.equal(lin.linear_argmax(x, w, ["packed"]), (x @ w.t()).argmax(-1))
     assert calls == [] and packed_calls == ["packed"]
+
+
+def _onednn_bf16():
+    from planaria.engine.models import packing
+
+    if not packing._onednn_bf16_packing():
+        pytest.skip("no oneDNN bf16 weight packing in this torch on this CPU (AVX2-only hosts)")
+    return packing
+
+
+# the lm_head packed as chunks of vocab rows (engine/models/packing.py pack_lm_head): the
+# greedy argmax a chunk at a time and the whole logits are exactly what the packed GEMM
+# of the whole weight gives, every chunk edge and a short last chunk included
+@pytest.mark.parametrize("M,N,K,chunk", [(1, 300, 64, 64), (9, 4097, 64, 1024), (64, 5000, 96, 4096),
+                                         (3, 50, 16, 4096), (17, 1000, 40, 7)])
+def test_packed_lm_head_chunks_equal_the_whole_packed_gemm(M, N, K, chunk):
+    packing = _onednn_bf16()
+    g = torch.Generator().manual_seed(M + N)
+    w = torch.randn(N, K, generator=g).bfloat16()
+    chunks = [packing.pack(w[i:i + chunk]) for i in range(0, N, chunk)]
+    whole = packing.pack(w)
+    x = torch.randn(M, K, generator=g).bfloat16()
+    ref = torch.ops.mkldnn._linear_pointwise(x, whole, None, "none", [], "")
+    assert torch.equal(torch.ops.planaria.packed_linear_chunked(x, chunks, chunk, False), ref)
+    assert torch.equal(torch.ops.planaria.packed_linear_chunked(x, chunks, chunk, True), ref.float())
+    assert torch.equal(torch.ops.planaria.packed_linear_argmax(x, chunks, chunk), ref.argmax(-1))
+    # ties across chunks: integer inputs, equal rows in two chunks -> the first index
+    xi = torch.randint(-3, 4, (M, K), generator=g).bfloat16()
+    wi = torch.randint(-3, 4, (N, K), generator=g).bfloat16()
+    wi[N - 1] = wi[0]
+    ci = [packing.pack(wi[i:i + chunk]) for i in range(0, N, chunk)]
+    assert torch.equal(torch.ops.planaria.packed_linear_argmax(xi, ci, chunk),
+                       (xi.double() @ wi.double().t()).bfloat16().argmax(-1))
+
+
+def test_packed_lm_head_chunks_bad_arguments():
+    packing = _onednn_bf16()
+    w = torch.randn(100, 32).bfloat16()
+    chunks = [packing.pack(w[i:i + 40]) for i in range(0, 100, 40)]  # 40, 40, 20
+    x = torch.randn(2, 32).bfloat16()
+    assert torch.ops.planaria.packed_linear_argmax(torch.empty(0, 32).bfloat16(), chunks, 40).shape == (0,)
+    assert torch.ops.planaria.packed_linear_chunked(torch.empty(0, 32).bfloat16(), chunks, 40, True).shape == (0, 100)
+    for op in (lambda *a: torch.ops.planaria.packed_linear_argmax(*a),
+               lambda *a: torch.ops.planaria.packed_linear_chunked(*a, False)):
+        with pytest.raises(RuntimeError, match="no weight chunks"):
+            op(x, [], 40)
+        with pytest.raises(RuntimeError, match="chunk > 0"):
+            op(x, chunks, 0)
+        with pytest.raises(RuntimeError, match="chunk 0 has 40 rows, not 30"):
+            op(x, chunks, 30)  # the chunks are not of the size the call says
+        with pytest.raises(RuntimeError, match="chunk 1 has 20 rows, not 40"):
+            op(x, [chunks[0], chunks[2], chunks[1]], 40)  # a short chunk before the last
+        with pytest.raises(RuntimeError, match="chunk 2 has 40 rows, not 1..30"):
+            op(x, [packing.pack(w[:30]), packing.pack(w[:30]), chunks[0]], 30)  # a last chunk too long
+        with pytest.raises(RuntimeError, match=r"is not \[rows, 31\]"):
+            op(torch.randn(2, 31).bfloat16(), chunks, 40)
+        with pytest.raises(RuntimeError, match="one dtype"):
+            op(torch.randn(2, 32), chunks, 40)
+        with pytest.raises(RuntimeError, match="contiguous"):
+            op(torch.randn(32, 2).bfloat16().t(), chunks, 40)
+
+
+def test_lm_head_routes_packed_chunks(monkeypatch):
+    """kernels/linear.py: past the skinny rows, greedy rows of a chunked packed lm_head take
+    packed_linear_argmax and sampled rows packed_linear_chunked; at the skinny rows the
+    C++ linear reads the weight itself; every route gives the packed GEMM's answer."""
+    from planaria.kernels import linear as lin
+
+    packing = _onednn_bf16()
+    monkeypatch.setattr(packing, "LM_HEAD_CHUNK", 256)
+    w = torch.randn(1000, 64).bfloat16()
+    chunks = packing.pack_lm_head(w)
+    assert [c.shape[0] for c in chunks] == [256, 256, 256, 232]
+    calls = []
+    for name in ("packed_linear_argmax", "packed_linear_chunked"):
+        real = getattr(torch.ops.planaria, name)
+        monkeypatch.setattr(torch.ops.planaria, name,
+                            lambda *a, _n=name, _r=real: calls.append((_n, a[0].shape[0])) or _r(*a))
+    small = lin.max_rows(torch.bfloat16)
+    for m in {1, max(small, 1), small + 1, 64}:
+        x = torch.randn(m, 64).bfloat16()
+        ref = F.linear(x, w)
+        logits = lin.lm_head_logits(x, w, chunks)
+        assert logits.dtype == torch.float32 and lin.lm_head_logits(x, w, chunks, float32=False).dtype == torch.bfloat16
+        if m > small:
+            assert torch.equal(logits, ref.float())
+        else:  # the skinny kernel sums in another order
+            torch.testing.assert_close(logits, ref.float(), rtol=1e-2, atol=1e-2)
+        assert torch.equal(lin.linear_argmax(x, w, chunks), lin.argmax_rows(lin.lm_head_logits(x, w, chunks, False)))
+    past = [m for m in sorted({1, max(small, 1), small + 1, 64}) if m > small]
+    assert sorted(c for c in calls if c[0] == "packed_linear_argmax") == [("packed_linear_argmax", m) for m in past]
+    assert sum(c[0] == "packed_linear_chunked" for c in calls) == 3 * len(past)
 
 
 # skinny_linear: every tail (rows of x past a multiple of 4, weight rows past a multiple

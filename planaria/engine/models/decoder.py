@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from planaria.kernels.attention import AttentionMetadata, paged_attention
-from planaria.kernels.linear import linear, linear_argmax
+from planaria.kernels.linear import linear, linear_argmax, lm_head_logits
 from planaria.kernels.moe import grouped_expert_mlp, route
 from planaria.kernels.norm import RMSNorm
 from planaria.kernels.rotary import RotaryEmbedding, apply_rotary
@@ -174,7 +174,7 @@ class DecoderModel(nn.Module):
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.lm_head = None if spec.tie_word_embeddings else Linear(spec.hidden_size, spec.vocab_size, bias=False, dtype=dtype)
         self.rotary = rotary  # cos/sin tables up to max_positions, computed (not loaded)
-        self.lm_head_packed: torch.Tensor | None = None  # engine/models/packing.py
+        self.lm_head_packed: list[torch.Tensor] | None = None  # chunks: engine/models/packing.py
 
     def forward(self, input_ids, positions, kv_caches, md: AttentionMetadata):
         # input_ids, positions: [T] -> hidden [T, H]
@@ -190,8 +190,7 @@ class DecoderModel(nn.Module):
     def compute_logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:  # [N, H] -> [N, V]
         """float32 logits, or (float32=False) the lm_head's own dtype: plain greedy rows
         only take their argmax, which needs no float32 copy."""
-        logits = linear(hidden, self.lm_head_weight(), None, self.lm_head_packed)
-        return logits.float() if float32 else logits
+        return lm_head_logits(hidden, self.lm_head_weight(), self.lm_head_packed, float32)
 
     def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, H] -> [N] int64
         """argmax of compute_logits(hidden), for plain greedy rows: where it can, the lm_head

@@ -4,8 +4,8 @@
 a weight packed once (``torch.ops.mkldnn._reorder_linear_weight``, what Inductor's
 freezing does) runs the same GEMM with the same results, bit for bit, 1.2-2x faster here
 (AMD EPYC with AVX512-BF16, SmolLM2's shapes: 2.2x at one token, 1.1-1.4x at 16-64). So
-``pack_linears(model)`` gives every bfloat16 ``Linear`` (and the tied LM head) a packed
-copy that its forward uses (at a few rows, where the CPU has AVX512-BF16 and no AMX, the
+``pack_linears(model)`` gives every bfloat16 ``Linear`` (and the LM head, tied or not, as
+chunks of vocab rows: ``pack_lm_head``) a packed copy that its forward uses (at a few rows, where the CPU has AVX512-BF16 and no AMX, the
 C++ kernel of kernels/linear.py reads the parameter instead); the parameters stay as they are, for weight swaps (which
 pack again: ``repack``), expert re-homing and the embedding. The copy costs the linears'
 weight bytes once more; the runner counts them in its weights before the memory profile
@@ -51,6 +51,19 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
 
 
+# vocab rows per packed chunk of the lm_head: [64, 4096] bf16 logits are 512 KiB, in a
+# core's L2 while the greedy argmax reads them (kernels/linear.py ``linear_argmax``)
+LM_HEAD_CHUNK = 4096
+
+
+def pack_lm_head(weight: torch.Tensor) -> list[torch.Tensor]:
+    """The lm_head packed as chunks of ``LM_HEAD_CHUNK`` vocab rows (the last one shorter),
+    each on its own: the C++ ops take a chunk per thread, the argmax of its logits taken in
+    cache (csrc/lm_head_argmax.cpp). Without the C++ kernels, one chunk: the whole weight."""
+    step = LM_HEAD_CHUNK if cpu_ext.available() else weight.shape[0]
+    return [pack(weight[i:i + step]) for i in range(0, weight.shape[0], step)]
+
+
 def pack_linears(model: torch.nn.Module, device: torch.device, dtype: torch.dtype, experts: bool = True) -> int:
     """Pack every bfloat16 linear of ``model`` (modules with a ``packed`` attribute, the
     model's ``lm_head_packed``, and with ``experts`` each MoE layer's ``packed_experts``);
@@ -79,7 +92,7 @@ def _pack(model: torch.nn.Module, dtype: torch.dtype, experts: bool) -> int:
                 added += (m.w13.numel() + m.w2.numel()) * m.w13.element_size()
         if hasattr(model, "lm_head_packed"):
             w = model.lm_head_weight()
-            model.lm_head_packed = pack(w)
+            model.lm_head_packed = pack_lm_head(w)
             if w is model.embed.weight:  # tied: a copy of its own (a packed Linear's is counted above)
                 added += w.numel() * w.element_size()
     return added

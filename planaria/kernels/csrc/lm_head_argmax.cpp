@@ -12,22 +12,29 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/stack.h>
 #include <torch/library.h>
 
 #include "argmax.h"
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
+#include <type_traits>
 #include <vector>
 
 namespace {
 
 using namespace planaria_cpu;
 
-template <typename F>
-void linear_argmax_kernel(const at::Tensor& x, const at::Tensor& w, int64_t chunk, at::Tensor& out) {
+// chunk_logits(c, c0, n, buf) -> a [M, n] tensor: the logits of vocab rows [c0, c0 + n)
+// (in ``buf`` or a tensor of its own), called from inside a parallel region
+template <typename F, typename ChunkLogits>
+void chunked_argmax(int64_t M, int64_t N, int64_t chunk, ChunkLogits chunk_logits, at::Tensor& out) {
   using Bits = typename F::Bits;
-  const int64_t M = x.size(0), N = w.size(0);
   const int64_t nchunks = (N + chunk - 1) / chunk;
   std::vector<int64_t> idx(nchunks * M);  // [chunk][row]: the chunk's argmax, a vocab index
   std::vector<Bits> val(nchunks * M);     // and its value's bits
@@ -36,9 +43,8 @@ void linear_argmax_kernel(const at::Tensor& x, const at::Tensor& w, int64_t chun
     std::vector<float> scratch(argmax_scratch(chunk));
     for (int64_t c = begin; c < end; ++c) {
       const int64_t c0 = c * chunk, n = std::min(chunk, N - c0);
-      if (!buf.defined() || buf.size(1) != n) buf = at::empty({M, n}, x.options());
-      at::mm_out(buf, x, w.narrow(0, c0, n).t());
-      const Bits* yp = static_cast<const Bits*>(buf.data_ptr());
+      const at::Tensor y = chunk_logits(c, c0, n, buf);
+      const Bits* yp = static_cast<const Bits*>(y.data_ptr());
       for (int64_t r = 0; r < M; ++r) {
         const int64_t i = argmax_row_best<F>(yp + r * n, n, scratch.data());
         idx[c * M + r] = c0 + i;
@@ -63,6 +69,15 @@ void linear_argmax_kernel(const at::Tensor& x, const at::Tensor& w, int64_t chun
   }
 }
 
+template <typename F>
+void linear_argmax_kernel(const at::Tensor& x, const at::Tensor& w, int64_t chunk, at::Tensor& out) {
+  chunked_argmax<F>(x.size(0), w.size(0), chunk, [&](int64_t, int64_t c0, int64_t n, at::Tensor& buf) {
+    if (!buf.defined() || buf.size(1) != n) buf = at::empty({x.size(0), n}, x.options());
+    at::mm_out(buf, x, w.narrow(0, c0, n).t());
+    return buf;
+  }, out);
+}
+
 at::Tensor linear_argmax(const at::Tensor& x, const at::Tensor& w, int64_t chunk) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.is_contiguous() && w.is_contiguous(),
               "linear_argmax: x [M, K] and w [N, K], contiguous");
@@ -82,8 +97,119 @@ at::Tensor linear_argmax(const at::Tensor& x, const at::Tensor& w, int64_t chunk
   return out;
 }
 
+
+// The lm_head's weight packed for oneDNN (engine/models/packing.py) as chunks of ``chunk``
+// vocab rows (the last one shorter), each packed on its own: oneDNN's GEMM on a chunk
+// runs on one thread inside the parallel region (mkldnn::_linear_pointwise, as
+// packed_linear in skinny_linear.cpp calls it).
+at::Tensor chunk_linear(const at::Tensor& x, const at::Tensor& packed) {
+  static const c10::OperatorHandle op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+  torch::jit::Stack stack;
+  stack.reserve(6);
+  stack.emplace_back(x);
+  stack.emplace_back(packed);
+  stack.emplace_back(c10::optional<at::Tensor>());
+  stack.emplace_back(std::string("none"));
+  stack.emplace_back(c10::List<c10::optional<at::Scalar>>());
+  stack.emplace_back(std::string(""));
+  op.callBoxed(&stack);
+  return stack[0].toTensor();
+}
+
+// the rows of the chunks, checked: every chunk but the last ``chunk`` rows, the last 1..chunk
+int64_t chunked_rows(const at::Tensor& x, at::TensorList packed, int64_t chunk, const char* name) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.device().is_cpu(), name, ": x [M, K], contiguous, on the CPU");
+  TORCH_CHECK(chunk > 0, name, ": chunk > 0");
+  TORCH_CHECK(!packed.empty(), name, ": no weight chunks");
+  int64_t N = 0;
+  for (size_t c = 0; c < packed.size(); ++c) {
+    const at::Tensor& p = packed[c];
+    TORCH_CHECK(p.dim() == 2 && p.size(1) == x.size(1), name, ": chunk ", c, " is not [rows, ", x.size(1), "]");
+    TORCH_CHECK(p.scalar_type() == x.scalar_type(), name, ": x and the chunks of one dtype");
+    const bool last = c + 1 == packed.size();
+    TORCH_CHECK(last ? (p.size(0) > 0 && p.size(0) <= chunk) : p.size(0) == chunk, name, ": chunk ", c, " has ",
+                p.size(0), " rows, not ", last ? "1.." : "", chunk);
+    N += p.size(0);
+  }
+  return N;
+}
+
+at::Tensor packed_linear_argmax(const at::Tensor& x, at::TensorList packed, int64_t chunk) {
+  const int64_t N = chunked_rows(x, packed, chunk, "packed_linear_argmax");
+  at::Tensor out = at::empty({x.size(0)}, x.options().dtype(at::kLong));
+  if (x.size(0) == 0) return out;
+  auto logits = [&](int64_t c, int64_t, int64_t, at::Tensor&) { return chunk_linear(x, packed[c]); };
+  switch (x.scalar_type()) {
+    case at::kBFloat16: chunked_argmax<Bf16>(x.size(0), N, chunk, logits, out); break;
+    case at::kFloat: chunked_argmax<F32>(x.size(0), N, chunk, logits, out); break;
+    case at::kHalf: chunked_argmax<F16>(x.size(0), N, chunk, logits, out); break;
+    default: TORCH_CHECK(false, "packed_linear_argmax: float32, bfloat16 or float16");
+  }
+  return out;
+}
+
+// the whole logits [M, N] from the same chunks, in x's dtype or float32 (what sampling
+// reads): each thread computes its chunks and writes them into their columns while they
+// are in its cache, widened there when ``float32`` (instead of a pass over the whole
+// logits after the GEMM)
+template <typename T, typename O>
+void write_columns(const at::Tensor& y, int64_t col, at::Tensor& out) {
+  const int64_t M = y.size(0), n = y.size(1), N = out.size(1);
+  const T* yp = static_cast<const T*>(y.data_ptr());
+  O* op = static_cast<O*>(out.data_ptr());
+  for (int64_t r = 0; r < M; ++r) {
+    const T* src = yp + r * n;
+    O* dst = op + r * N + col;
+    if constexpr (std::is_same_v<T, O>) {
+      std::memcpy(dst, src, n * sizeof(T));
+    } else {
+      for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<O>(src[i]);
+    }
+  }
+}
+
+at::Tensor packed_linear_chunked(const at::Tensor& x, at::TensorList packed, int64_t chunk, bool float32) {
+  const int64_t N = chunked_rows(x, packed, chunk, "packed_linear_chunked");
+  const int64_t M = x.size(0);
+  at::Tensor out = at::empty({M, N}, float32 ? x.options().dtype(at::kFloat) : x.options());
+  if (M == 0) return out;
+  at::parallel_for(0, static_cast<int64_t>(packed.size()), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t c = begin; c < end; ++c) {
+      const at::Tensor y = chunk_linear(x, packed[c]).contiguous();
+      switch (x.scalar_type()) {
+        case at::kBFloat16:
+          float32 ? write_columns<c10::BFloat16, float>(y, c * chunk, out)
+                  : write_columns<c10::BFloat16, c10::BFloat16>(y, c * chunk, out);
+          break;
+        case at::kHalf:
+          float32 ? write_columns<c10::Half, float>(y, c * chunk, out)
+                  : write_columns<c10::Half, c10::Half>(y, c * chunk, out);
+          break;
+        case at::kFloat: write_columns<float, float>(y, c * chunk, out); break;
+        default: TORCH_CHECK(false, "packed_linear_chunked: float32, bfloat16 or float16");
+      }
+    }
+  });
+  return out;
+}
+
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(planaria, m) { m.def("linear_argmax(Tensor x, Tensor w, int chunk) -> Tensor"); }
+TORCH_LIBRARY_FRAGMENT(planaria, m) {
+  m.def("linear_argmax(Tensor x, Tensor w, int chunk) -> Tensor");
+  m.def("packed_linear_argmax(Tensor x, Tensor[] packed, int chunk) -> Tensor");
+  m.def("packed_linear_chunked(Tensor x, Tensor[] packed, int chunk, bool float32) -> Tensor");
+}
 
-TORCH_LIBRARY_IMPL(planaria, CPU, m) { m.impl("linear_argmax", &linear_argmax); }
+TORCH_LIBRARY_IMPL(planaria, CPU, m) {
+  m.impl("linear_argmax", &linear_argmax);
+  m.impl("packed_linear_argmax", &packed_linear_argmax);
+  m.impl("packed_linear_chunked", &packed_linear_chunked);
+}
+
+// packed chunks are opaque oneDNN tensors: their dispatch key wins over x's
+TORCH_LIBRARY_IMPL(planaria, MkldnnCPU, m) {
+  m.impl("packed_linear_argmax", &packed_linear_argmax);
+  m.impl("packed_linear_chunked", &packed_linear_chunked);
+}
