@@ -16,7 +16,10 @@ weights once for all its tokens (AVX512-BF16's dot instruction where the CPU has
 ``torch.ops.planaria.argmax_rows`` (csrc/argmax.cpp), greedy sampling's argmax;
 ``torch.ops.planaria.skinny_linear`` (csrc/skinny_linear.cpp), linears at a few rows;
 ``torch.ops.planaria.linear_argmax`` (csrc/lm_head_argmax.cpp), greedy tokens straight
-from the lm_head, a vocab chunk at a time.
+from the lm_head, a vocab chunk at a time, and for an lm_head packed for oneDNN as chunks
+(engine/models/packing.py) ``packed_linear_argmax`` and ``packed_linear_chunked`` (its
+logits); ``torch.ops.planaria.packed_linear`` (csrc/skinny_linear.cpp), oneDNN's packed
+linear under a name a compiled forward treats as opaque.
 """
 
 from __future__ import annotations

@@ -9,16 +9,22 @@
 // argmax re-reads the whole logits from memory after the GEMM has evicted them (64 x 49152
 // float32 is 12.6 MB: 0.5-0.6 ms on a 2-vCPU AMD EPYC, bench/step_overhead.py). Tested
 // against argmax_rows(x @ W^T) in tests/kernels/test_cpu_ext.py.
+//
+// A bf16 lm_head packed for oneDNN (engine/models/packing.py pack_lm_head) is packed as
+// such chunks, one packed tensor each: packed_linear_argmax does the same with oneDNN's
+// GEMM per chunk (0.3-0.5 ms less than the whole packed GEMM and argmax_rows at 64 x 49152,
+// bench/cpu_kernels.py), and packed_linear_chunked gives the whole logits from the same
+// chunks for rows that sample (on a par with the whole packed GEMM), so one packed copy
+// serves both. Tested against the whole packed GEMM, bit for bit.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
-#include <ATen/core/dispatch/Dispatcher.h>
-#include <ATen/core/stack.h>
 #include <torch/library.h>
 
 #include "argmax.h"
+#include "onednn_linear.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -100,21 +106,9 @@ at::Tensor linear_argmax(const at::Tensor& x, const at::Tensor& w, int64_t chunk
 
 // The lm_head's weight packed for oneDNN (engine/models/packing.py) as chunks of ``chunk``
 // vocab rows (the last one shorter), each packed on its own: oneDNN's GEMM on a chunk
-// runs on one thread inside the parallel region (mkldnn::_linear_pointwise, as
-// packed_linear in skinny_linear.cpp calls it).
+// runs on one thread inside the parallel region (onednn_linear.h).
 at::Tensor chunk_linear(const at::Tensor& x, const at::Tensor& packed) {
-  static const c10::OperatorHandle op =
-      c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
-  torch::jit::Stack stack;
-  stack.reserve(6);
-  stack.emplace_back(x);
-  stack.emplace_back(packed);
-  stack.emplace_back(c10::optional<at::Tensor>());
-  stack.emplace_back(std::string("none"));
-  stack.emplace_back(c10::List<c10::optional<at::Scalar>>());
-  stack.emplace_back(std::string(""));
-  op.callBoxed(&stack);
-  return stack[0].toTensor();
+  return onednn_linear(x, packed, c10::nullopt);
 }
 
 // the rows of the chunks, checked: every chunk but the last ``chunk`` rows, the last 1..chunk

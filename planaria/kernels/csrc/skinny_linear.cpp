@@ -16,10 +16,9 @@
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
-#include <ATen/core/dispatch/Dispatcher.h>
-#include <ATen/core/stack.h>
 #include <torch/library.h>
 
+#include "onednn_linear.h"
 #include "tile_dot.h"
 #include "widen.h"
 
@@ -124,18 +123,7 @@ at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& w, const c10::op
 // lowers mkldnn._linear_pointwise only for weights it packed itself (frozen constants),
 // so a compiled forward (engine/compiled.py) calls this one, which it treats as opaque.
 at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias) {
-  static const c10::OperatorHandle op =
-      c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
-  torch::jit::Stack stack;
-  stack.reserve(6);
-  stack.emplace_back(x);
-  stack.emplace_back(packed);
-  stack.emplace_back(bias);
-  stack.emplace_back(std::string("none"));
-  stack.emplace_back(c10::List<c10::optional<at::Scalar>>());
-  stack.emplace_back(std::string(""));
-  op.callBoxed(&stack);
-  return stack[0].toTensor();
+  return planaria_cpu::onednn_linear(x, packed, bias);
 }
 
 }  // namespace
