@@ -12,7 +12,8 @@
 #    copy-bandwidth floor.
 # 3. the same with --compile (engine/compiled.py: torch.compile of the decode forward,
 #    Inductor; no CUDA graphs yet), its compile time in the output.
-# Output under $OUT (the device tool brings it back) or /tmp/gpu-check.
+# Output under $OUT (the device tool brings it back) or /tmp/gpu-check. The steps' time
+# limits (150 + 140 + 170 s) keep the whole script inside 8 minutes, wheel install included.
 set -u -o pipefail
 OUT=${OUT:-/tmp/gpu-check}
 mkdir -p "$OUT"
@@ -32,13 +33,13 @@ start=$(date +%s)
 } 2>&1 | tee "$OUT/gpu_env.txt"
 rc=0
 echo "== 1. gpu-marked tests"
-timeout 240 $PY -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_kernels_gpu.py 2>&1 \
+timeout 150 $PY -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_kernels_gpu.py 2>&1 \
     | tee "$OUT/gpu_tests.txt" || rc=1
 echo "== 2. bf16 decode vs the bandwidth floor"
-timeout 240 $PY -m bench.gpu_decode --conc 1,64 --json "$OUT/gpu_decode.json" 2>&1 \
+timeout 140 $PY -m bench.gpu_decode --conc 1,64 --json "$OUT/gpu_decode.json" 2>&1 \
     | tee "$OUT/gpu_decode.txt" || rc=1
 echo "== 3. compiled decode forward (torch.compile)"
-timeout 200 $PY -m bench.gpu_decode --conc 1,64 --compile --json "$OUT/gpu_decode_compiled.json" 2>&1 \
+timeout 170 $PY -m bench.gpu_decode --conc 1,64 --compile --json "$OUT/gpu_decode_compiled.json" 2>&1 \
     | tee "$OUT/gpu_decode_compiled.txt" || rc=1
 echo "gpu_check: rc=$rc in $(( $(date +%s) - start )) s"
 exit $rc
