@@ -56,12 +56,17 @@ def max_rows(dtype: torch.dtype) -> int:
     return n
 
 
+def takes_skinny(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether ``linear`` runs ``x`` through the C++ kernel (reading ``weight`` itself)."""
+    return (x.dim() == 2 and x.device.type == "cpu" and 0 < x.shape[0] <= max_rows(weight.dtype)
+            and x.dtype == weight.dtype and weight.is_contiguous())
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            packed: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] @ weight [N, K]^T (+ bias) -> [M, N]; ``packed``: the weight packed for
     oneDNN (engine/models/packing.py), used where the C++ kernel is not."""
-    if (x.dim() == 2 and x.device.type == "cpu" and 0 < x.shape[0] <= max_rows(weight.dtype)
-            and x.dtype == weight.dtype and weight.is_contiguous()):
+    if takes_skinny(x, weight):
         return torch.ops.planaria.skinny_linear(x.contiguous(), weight, bias)
     if packed is not None:
         return packed_linear(x, packed, bias)
@@ -82,12 +87,9 @@ def lm_head_logits(x: torch.Tensor, weight: torch.Tensor, packed: list[torch.Ten
     (engine/models/packing.py ``pack_lm_head``); several chunks go through
     ``torch.ops.planaria.packed_linear_chunked``, which runs a chunk per thread and writes
     it (widened to float32 there, when asked) into its columns while it is in cache."""
-    if packed is None or (x.dim() == 2 and 0 < x.shape[0] <= max_rows(weight.dtype)):
-        logits = linear(x, weight)
-    elif len(packed) == 1:
-        logits = packed_linear(x, packed[0])
-    else:
+    if packed is not None and len(packed) > 1 and not takes_skinny(x, weight):
         return torch.ops.planaria.packed_linear_chunked(x.contiguous(), packed, packed[0].shape[0], float32)
+    logits = linear(x, weight, None, packed[0] if packed is not None and len(packed) == 1 else None)
     return logits.float() if float32 else logits
 
 

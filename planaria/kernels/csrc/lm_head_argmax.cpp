@@ -14,8 +14,8 @@
 // such chunks, one packed tensor each: packed_linear_argmax does the same with oneDNN's
 // GEMM per chunk (0.3-0.5 ms less than the whole packed GEMM and argmax_rows at 64 x 49152,
 // bench/cpu_kernels.py), and packed_linear_chunked gives the whole logits from the same
-// chunks for rows that sample (on a par with the whole packed GEMM), so one packed copy
-// serves both. Tested against the whole packed GEMM, bit for bit.
+// chunks for rows that sample (1-5% slower than the whole packed GEMM and its float32
+// copy at 1-64 rows: the price of one packed copy of the head instead of two). Tested against the whole packed GEMM, bit for bit.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -103,15 +103,11 @@ at::Tensor linear_argmax(const at::Tensor& x, const at::Tensor& w, int64_t chunk
   return out;
 }
 
-
 // The lm_head's weight packed for oneDNN (engine/models/packing.py) as chunks of ``chunk``
 // vocab rows (the last one shorter), each packed on its own: oneDNN's GEMM on a chunk
-// runs on one thread inside the parallel region (onednn_linear.h).
-at::Tensor chunk_linear(const at::Tensor& x, const at::Tensor& packed) {
-  return onednn_linear(x, packed, c10::nullopt);
-}
-
-// the rows of the chunks, checked: every chunk but the last ``chunk`` rows, the last 1..chunk
+// (onednn_linear.h) runs on one thread inside the parallel region.
+//
+// chunked_rows: the rows of the chunks, checked: every chunk but the last ``chunk`` rows, the last 1..chunk
 int64_t chunked_rows(const at::Tensor& x, at::TensorList packed, int64_t chunk, const char* name) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.device().is_cpu(), name, ": x [M, K], contiguous, on the CPU");
   TORCH_CHECK(chunk > 0, name, ": chunk > 0");
@@ -133,7 +129,7 @@ at::Tensor packed_linear_argmax(const at::Tensor& x, at::TensorList packed, int6
   const int64_t N = chunked_rows(x, packed, chunk, "packed_linear_argmax");
   at::Tensor out = at::empty({x.size(0)}, x.options().dtype(at::kLong));
   if (x.size(0) == 0) return out;
-  auto logits = [&](int64_t c, int64_t, int64_t, at::Tensor&) { return chunk_linear(x, packed[c]); };
+  auto logits = [&](int64_t c, int64_t, int64_t, at::Tensor&) { return onednn_linear(x, packed[c], c10::nullopt); };
   switch (x.scalar_type()) {
     case at::kBFloat16: chunked_argmax<Bf16>(x.size(0), N, chunk, logits, out); break;
     case at::kFloat: chunked_argmax<F32>(x.size(0), N, chunk, logits, out); break;
@@ -148,43 +144,43 @@ at::Tensor packed_linear_argmax(const at::Tensor& x, at::TensorList packed, int6
 // are in its cache, widened there when ``float32`` (instead of a pass over the whole
 // logits after the GEMM)
 template <typename T, typename O>
-void write_columns(const at::Tensor& y, int64_t col, at::Tensor& out) {
-  const int64_t M = y.size(0), n = y.size(1), N = out.size(1);
-  const T* yp = static_cast<const T*>(y.data_ptr());
+void chunked_logits(const at::Tensor& x, at::TensorList packed, int64_t chunk, at::Tensor& out) {
+  const int64_t M = x.size(0), N = out.size(1);
   O* op = static_cast<O*>(out.data_ptr());
-  for (int64_t r = 0; r < M; ++r) {
-    const T* src = yp + r * n;
-    O* dst = op + r * N + col;
-    if constexpr (std::is_same_v<T, O>) {
-      std::memcpy(dst, src, n * sizeof(T));
-    } else {
-      for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<O>(src[i]);
+  at::parallel_for(0, static_cast<int64_t>(packed.size()), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t c = begin; c < end; ++c) {
+      const at::Tensor y = onednn_linear(x, packed[c], c10::nullopt).contiguous();
+      const int64_t n = y.size(1);
+      const T* yp = static_cast<const T*>(y.data_ptr());
+      for (int64_t r = 0; r < M; ++r) {
+        const T* src = yp + r * n;
+        O* dst = op + r * N + c * chunk;
+        if constexpr (std::is_same_v<T, O>) {
+          std::memcpy(dst, src, n * sizeof(T));
+        } else {
+          for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<O>(src[i]);
+        }
+      }
     }
-  }
+  });
 }
 
 at::Tensor packed_linear_chunked(const at::Tensor& x, at::TensorList packed, int64_t chunk, bool float32) {
   const int64_t N = chunked_rows(x, packed, chunk, "packed_linear_chunked");
-  const int64_t M = x.size(0);
-  at::Tensor out = at::empty({M, N}, float32 ? x.options().dtype(at::kFloat) : x.options());
-  if (M == 0) return out;
-  at::parallel_for(0, static_cast<int64_t>(packed.size()), 1, [&](int64_t begin, int64_t end) {
-    for (int64_t c = begin; c < end; ++c) {
-      const at::Tensor y = chunk_linear(x, packed[c]).contiguous();
-      switch (x.scalar_type()) {
-        case at::kBFloat16:
-          float32 ? write_columns<c10::BFloat16, float>(y, c * chunk, out)
-                  : write_columns<c10::BFloat16, c10::BFloat16>(y, c * chunk, out);
-          break;
-        case at::kHalf:
-          float32 ? write_columns<c10::Half, float>(y, c * chunk, out)
-                  : write_columns<c10::Half, c10::Half>(y, c * chunk, out);
-          break;
-        case at::kFloat: write_columns<float, float>(y, c * chunk, out); break;
-        default: TORCH_CHECK(false, "packed_linear_chunked: float32, bfloat16 or float16");
-      }
-    }
-  });
+  at::Tensor out = at::empty({x.size(0), N}, float32 ? x.options().dtype(at::kFloat) : x.options());
+  if (x.size(0) == 0) return out;
+  switch (x.scalar_type()) {
+    case at::kBFloat16:
+      float32 ? chunked_logits<c10::BFloat16, float>(x, packed, chunk, out)
+              : chunked_logits<c10::BFloat16, c10::BFloat16>(x, packed, chunk, out);
+      break;
+    case at::kHalf:
+      float32 ? chunked_logits<c10::Half, float>(x, packed, chunk, out)
+              : chunked_logits<c10::Half, c10::Half>(x, packed, chunk, out);
+      break;
+    case at::kFloat: chunked_logits<float, float>(x, packed, chunk, out); break;
+    default: TORCH_CHECK(false, "packed_linear_chunked: float32, bfloat16 or float16");
+  }
   return out;
 }
 
