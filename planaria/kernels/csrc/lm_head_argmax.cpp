@@ -15,7 +15,8 @@
 // GEMM per chunk (0.3-0.5 ms less than the whole packed GEMM and argmax_rows at 64 x 49152,
 // bench/cpu_kernels.py), and packed_linear_chunked gives the whole logits from the same
 // chunks for rows that sample (1-5% slower than the whole packed GEMM and its float32
-// copy at 1-64 rows: the price of one packed copy of the head instead of two). Tested against the whole packed GEMM, bit for bit.
+// copy at 1-64 rows: the price of one packed copy of the head instead of two). Tested
+// against the whole packed GEMM, bit for bit.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
