@@ -117,6 +117,14 @@ class EPController:
             if problem:
                 return self._refuse(f"epoch {epoch.number} refused: {problem}")
         nodes = self.membership.list_nodes()
+        # The op before ``desired``: a scale request writes both in one transaction, so an op
+        # read first comes with its own desired (or a later one). Read the other way round, a
+        # request landing between the reads pairs the new op with the old size, and the
+        # NoChange branch below marks it DONE at the size the cluster already has.
+        try:
+            op = self.desired.active_op()
+        except RecordDecodeError as exc:  # a bad op record: driven by nobody
+            op = self._refuse(f"op refused: {exc}") and None
         try:
             desired, _desired_rev = self.desired.read_desired()
             cap = capacity(nodes) if self.place_engines else MAX_ENGINES
@@ -128,10 +136,6 @@ class EPController:
             size = epoch.world_size if epoch is not None and epoch.ranks else 0
             desired = Desired(num_engines=size, op_id="refused") if size else None
         target = desired.num_engines if desired is not None else self.initial_engines
-        try:
-            op = self.desired.active_op()
-        except RecordDecodeError as exc:  # a bad op record: driven by nobody
-            op = self._refuse(f"op refused: {exc}") and None
         records = {r.engine_id: r for r in self.membership.list_engines()}
         known = {n.addresses.get("rendezvous", "") for n in nodes} | {self.rendezvous}
         if epoch is not None and epoch.ranks and epoch.rendezvous not in known:

@@ -79,6 +79,13 @@ def test_final_line_names_what_did_not_make_it():
                                                          "phase": "failed", "progress": ""}})
     assert scale.render_final(failed_ep, 2, 3.0) == (
         "scale to 2 failed after 3.0s (ep op x); 1/1 engines up", False)
+    # A finished op is the status's last_op, no longer its op: named with its reason.
+    aborted = status(engine(0, "running"), ep={"op": None, "last_op": {
+        "op_id": "op-9", "target": 3, "phase": "failed", "progress": "aborted epoch 4",
+        "error": "rank 2 never served epoch 4"}})
+    assert scale.render_final(aborted, 3, 5.0, "op-9") == (
+        "scale to 3 failed after 5.0s (ep op op-9: rank 2 never served epoch 4); 1/1 engines up", False)
+    assert "failed" not in scale.render_final(aborted, 3, 5.0, "op-8")[0]  # another op's outcome
 
 
 def test_started_line_says_what_began():

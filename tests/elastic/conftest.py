@@ -9,11 +9,17 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
+from planaria.elastic.controller import EPController
+from planaria.elastic.election import LeaderElection
+from planaria.elastic.epochs import EpochStore
 from planaria.elastic.etcd_client import make_client
 from planaria.elastic.etcd_server import EmbeddedEtcd, find_etcd_binary
+from planaria.elastic.keys import EngineRecord, EngineRecordState, Epoch, KeyLayout, NodeInfo
 from planaria.elastic.membership import Membership
 
 TTL_S = 2
+GOOD_EPOCH = {"number": 3, "world_size": 2, "ranks": ["n-e0", "n-e1"], "expert_map": [0, 0, 1, 1],
+              "rendezvous": "127.0.0.1:29500"}
 
 
 def _require_etcd() -> str:
@@ -73,6 +79,23 @@ def make_membership(etcd_server: EmbeddedEtcd, cluster: str
     yield make
     for m in made:
         m.close(revoke=False)
+
+
+@pytest.fixture
+def leader(make_membership, cluster):
+    """A real membership, a real election won, and the leader's controller (launches nothing)."""
+    m = make_membership("n")
+    m.register_node(NodeInfo(node_id="n", host="127.0.0.1", addresses={"rendezvous": "127.0.0.1:29500"}))
+    election = LeaderElection(m)
+    assert election.campaign()
+    c = EPController(m, election, cluster, num_experts=4, rendezvous="127.0.0.1:29500", launch=None,
+                     model_fingerprint="fp", device_kind="cpu", block_size=16, initial_engines=2)
+    for eid in ("n-e0", "n-e1"):
+        m.put_engine(EngineRecord(engine_id=eid, node_id="n", epoch=3, state=EngineRecordState.SERVING))
+    store = EpochStore(m.client, cluster)
+    store.write_epoch(Epoch(**GOOD_EPOCH), 0, election.leader_revision)
+    yield c, m.client, KeyLayout(cluster), store
+    election.stop(resign=False)
 
 
 def wait_for(predicate: Callable[[], bool], timeout_s: float, interval_s: float = 0.05) -> bool:

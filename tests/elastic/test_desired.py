@@ -9,7 +9,7 @@ import pytest
 from planaria.elastic.desired import DesiredStore, OpNotFoundError
 from planaria.elastic.election import LeaderElection
 from planaria.elastic.errors import ScaleConflictError, StaleLeaderError
-from planaria.elastic.keys import OpPhase
+from planaria.elastic.keys import NodeInfo, OpPhase
 
 
 def test_request_scale_writes_desired_and_pending_op(client, cluster):
@@ -91,3 +91,35 @@ def test_update_op_fenced_by_leader_token(make_membership, client, cluster):
     with pytest.raises(StaleLeaderError):
         store.update_op("op-1", phase=OpPhase.DONE, leader_create_revision=token)
     assert store.get_op("op-1").phase is OpPhase.LAUNCHING
+
+
+@pytest.mark.parametrize("place_engines", [False, True])
+def test_a_request_landing_mid_tick_is_not_marked_done_at_the_old_size(leader, place_engines):
+    """A scale request that lands between the leader's reads of ``desired`` and ``ops/``
+    pairs, read in that order, the new op with the old size, and the op was marked DONE at
+    the size the cluster already had (`planaria scale to 3 --wait` then ended at once with 2
+    of 2 serving; seen in CI right after an etcd restart)."""
+    c, _client, _layout, _store = leader
+    if place_engines:  # `planaria serve --parallel ep`: the leader places over the node records
+        c.place_engines = True
+        c.membership.register_node(NodeInfo(node_id="n", host="127.0.0.1", capacity={"engines": 2, "max_engines": 3},
+                                            addresses={"rendezvous": "127.0.0.1:29500"}))
+    c.tick()  # settle: the placement (place_engines) is written at the current size
+    reads = []
+    read_desired = c.desired.read_desired
+
+    def read_then_request():
+        got = read_desired()
+        if not reads:
+            reads.append(got)
+            c.desired.request_scale(3, "op-mid")  # lands right after this read
+        return got
+
+    c.desired.read_desired = read_then_request
+    c.tick()
+    assert c.desired.get_op("op-mid").phase == OpPhase.PENDING  # not DONE at 2 ranks
+    c.tick()
+    op = c.desired.get_op("op-mid")
+    assert not op.phase.is_final, op  # acted on at the new size
+    if place_engines:
+        assert op.phase == OpPhase.LAUNCHING and "n: 3" in op.progress, op

@@ -9,17 +9,13 @@ import json
 
 import pytest
 
-from planaria.elastic.controller import EPController, placement_problem
-from planaria.elastic.election import LeaderElection
-from planaria.elastic.epochs import EpochStore
+from planaria.elastic.controller import placement_problem
 from planaria.elastic.errors import RecordDecodeError
 from planaria.elastic.keys import (Desired, EngineRecord, EngineRecordState, Epoch, KeyLayout, NodeInfo, decode,
                                    desired_problem, encode, epoch_problem)
 from planaria.elastic.placement import Placement
-from tests.elastic.conftest import wait_for
+from tests.elastic.conftest import GOOD_EPOCH, wait_for
 
-GOOD_EPOCH = {"number": 3, "world_size": 2, "ranks": ["n-e0", "n-e1"], "expert_map": [0, 0, 1, 1],
-              "rendezvous": "127.0.0.1:29500"}
 
 
 def _epoch(**changes) -> bytes:
@@ -94,23 +90,6 @@ def test_listing_and_watching_skip_hostile_records_and_go_on(client, make_member
     assert [r.engine_id for r in m.list_engines()] == ["good"]
     client.put(layout.engine("later"), encode(EngineRecord(engine_id="later", node_id="n")))
     assert wait_for(lambda: "later" in seen, 20), "the watch stopped after the hostile records"
-
-
-@pytest.fixture
-def leader(make_membership, cluster):
-    """A real membership, a real election won, and the leader's controller (launches nothing)."""
-    m = make_membership("n")
-    m.register_node(NodeInfo(node_id="n", host="127.0.0.1", addresses={"rendezvous": "127.0.0.1:29500"}))
-    election = LeaderElection(m)
-    assert election.campaign()
-    c = EPController(m, election, cluster, num_experts=4, rendezvous="127.0.0.1:29500", launch=None,
-                     model_fingerprint="fp", device_kind="cpu", block_size=16, initial_engines=2)
-    for eid in ("n-e0", "n-e1"):
-        m.put_engine(EngineRecord(engine_id=eid, node_id="n", epoch=3, state=EngineRecordState.SERVING))
-    store = EpochStore(m.client, cluster)
-    store.write_epoch(Epoch(**GOOD_EPOCH), 0, election.leader_revision)
-    yield c, m.client, KeyLayout(cluster), store
-    election.stop(resign=False)
 
 
 @pytest.mark.parametrize("desired", [b'{"num_engines": 0, "op_id": "op-x"}', b'{"num_engines": 100000, "op_id": "x"}',

@@ -142,14 +142,20 @@ def finished(status: dict[str, Any], op_id: int) -> bool:
     return ep_op is None or ep_op["phase"] in _FINAL_PHASES
 
 
-def render_final(status: dict[str, Any], target: int, elapsed_s: float) -> tuple[str, bool]:
-    """The closing line, and whether the operation reached its target."""
+def render_final(status: dict[str, Any], target: int, elapsed_s: float,
+                 op_id: int | str | None = None) -> tuple[str, bool]:
+    """The closing line, and whether the operation reached its target. An EP op that failed
+    is named with its reason: the status's active ``op``, or ``last_op`` when it is ``op_id``
+    (a finished op is no longer the active one)."""
     up, total = status["num_up"], status["num_engines"]
-    ep_op = (status.get("ep") or {}).get("op")
-    if ep_op and ep_op["phase"] in ("failed", "cancelled"):
-        return (f"scale to {target} {ep_op['phase']} after {elapsed_s:.1f}s "
-                f"(ep op {ep_op['op_id']}); {up}/{total} engines up"), False
     ep = status.get("ep") or {}
+    ep_op = ep.get("op")
+    if ep_op is None and op_id is not None and (ep.get("last_op") or {}).get("op_id") == op_id:
+        ep_op = ep["last_op"]
+    if ep_op and ep_op["phase"] in ("failed", "cancelled"):
+        why = ep_op.get("error") or ep_op.get("progress")
+        return (f"scale to {target} {ep_op['phase']} after {elapsed_s:.1f}s "
+                f"(ep op {ep_op['op_id']}{': ' + why if why else ''}); {up}/{total} engines up"), False
     if "world_size" in ep:  # EP: the cluster's group, not this node's engines, says it
         records = ep.get("engines") or {}
         serving = [r for r in ep["ranks"] if (records.get(r) or {}).get("state") == "serving"]
@@ -190,7 +196,7 @@ def _wait(args: argparse.Namespace, op_id: int, target: int) -> int:
             print(f"  {line}", flush=True)
         view = new_view
         if finished(status, op_id):
-            line, ok = render_final(status, target, time.monotonic() - started)
+            line, ok = render_final(status, target, time.monotonic() - started, op_id)
             print(line)
             return 0 if ok else 1
         if time.monotonic() >= deadline:
