@@ -17,7 +17,6 @@ from planaria.elastic.placement import Placement
 from tests.elastic.conftest import GOOD_EPOCH, wait_for
 
 
-
 def _epoch(**changes) -> bytes:
     return json.dumps({**GOOD_EPOCH, **changes}).encode()
 

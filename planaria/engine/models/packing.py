@@ -5,16 +5,18 @@ a weight packed once (``torch.ops.mkldnn._reorder_linear_weight``, what Inductor
 freezing does) runs the same GEMM with the same results, bit for bit, 1.2-2x faster here
 (AMD EPYC with AVX512-BF16, SmolLM2's shapes: 2.2x at one token, 1.1-1.4x at 16-64). So
 ``pack_linears(model)`` gives every bfloat16 ``Linear`` (and the LM head, tied or not, as
-chunks of vocab rows: ``pack_lm_head``) a packed copy that its forward uses (at a few rows, where the CPU has AVX512-BF16 and no AMX, the
-C++ kernel of kernels/linear.py reads the parameter instead); the parameters stay as they are, for weight swaps (which
-pack again: ``repack``), expert re-homing and the embedding. The copy costs the linears'
+chunks of vocab rows: ``pack_lm_head``) a packed copy that its forward uses (at a few
+rows, where the CPU has AVX512-BF16 and no AMX, the C++ kernel of kernels/linear.py reads
+the parameter instead); the parameters stay as they are, for weight swaps (which pack
+again: ``repack``), expert re-homing and the embedding. The copy costs the linears'
 weight bytes once more; the runner counts them in its weights before the memory profile
 sizes the KV cache. A MoE layer's experts are packed too, for the per-expert loop that
 decode at small batches takes (2.1x faster per expert GEMM), but only when the engine
 holds every expert (an expert-parallel rank's experts move at run time and are left
 alone) and the C++ kernels are not built: their fused MoE (kernels/csrc/fused_moe.cpp)
-replaces that loop and reads the parameters themselves. float32 stays unpacked: its packed GEMM rounds differently, and the float32
-parity tests compare token for token. ``PLANARIA_CPU_PACKED_LINEAR=0`` turns it off.
+replaces that loop and reads the parameters themselves. float32 stays unpacked: its
+packed GEMM rounds differently, and the float32 parity tests compare token for token.
+``PLANARIA_CPU_PACKED_LINEAR=0`` turns it off.
 """
 
 from __future__ import annotations
