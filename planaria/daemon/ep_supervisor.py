@@ -6,14 +6,17 @@ calls it where EP differs, and it reaches etcd only through this node's ``EPNode
 
 - the node's engine slots follow its share of the leader's placement (``slot_changes``:
   decide; the supervisor acts): missing engines are added (lowest free ids), extra ones
-  removed (highest ids first, the rule the leader's placement keeps to): a rank leaves at
-  the scale-down epoch, after its requests moved to survivors; an engine in no epoch is
-  stopped. Until the leader has placed this node the node runs its --engines;
+  removed (highest ids first, the rule the leader's placement keeps to). A removed engine
+  is asked to drain, whatever the supervisor's (possibly newer or older) view of the
+  epoch: the engine itself knows whether it is a rank of a group, and a rank leaves only
+  at an epoch boundary (elastic/rank_epochs.py), its requests moving to survivors. Until
+  the leader has placed this node the node runs its --engines;
 - a restarted or added rank takes the group's KV figure (``reused_kv_config``), never
   profiling again;
 - a dead engine's etcd record is deleted at once (``forget_engine``), off the loop thread;
 - ``planaria scale`` on any node writes the cluster-wide ``desired`` in etcd
-  (``scale_to``), refused with a clear error while another operation runs or etcd is down;
+  (``scale_to``): the newest request wins, superseding an operation still in progress
+  (elastic/desired.py); refused with a clear error while etcd is down;
 - ``status`` is the epoch, ranks, placement, nodes, ops and engine records read from etcd,
   and the embedded etcd's own state (``etcd``: daemon/etcd_keeper.py; None with
   --etcd-endpoints), shown even while etcd is unreachable.
@@ -29,21 +32,19 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from planaria.common.errors import BadArgumentError, ConflictError, UnavailableError
-from planaria.daemon.slot import AfterExit, SlotState
+from planaria.daemon.slot import AfterExit
 
 POLL_S = 0.1  # the supervisor's loop looks at the (cached) placement this often
 
 
 @dataclass
 class SlotChanges:
-    """What the supervisor does to follow this node's share: add ``num_add`` engines, keep
-    the ``keep`` slots it was removing, remove the ``remove`` slots (the ``ranks`` among
-    them leave at the next epoch; the others are stopped)."""
+    """What the supervisor does to follow this node's share: add ``num_add`` engines,
+    remove the ``remove`` slots (each is asked to drain: a rank of a group leaves at an
+    epoch boundary, never mid-collective, and its requests move to survivors)."""
 
     num_add: int = 0
-    keep: list[int] = field(default_factory=list)
     remove: list[int] = field(default_factory=list)
-    ranks: set[int] = field(default_factory=set)
 
 
 class EPSupervisor:
@@ -73,19 +74,11 @@ class EPSupervisor:
         share = self.share()
         if share is None:
             return None
-        leaving = sorted(i for i, s in slots.items() if s.after_exit is AfterExit.REMOVE)
-        staying = sorted(i for i in slots if i not in leaving)
+        staying = sorted(i for i, s in slots.items() if s.after_exit is not AfterExit.REMOVE)
         if len(staying) < share:
-            # A rank marked to leave whose scale-down epoch has not come yet stays after all.
-            ranks = self.node.epoch_ranks
-            keep = [i for i in leaving if slots[i].state is not SlotState.STOPPING
-                    and (ranks is None or self.engine_id(i) in ranks)][:share - len(staying)]
-            return SlotChanges(num_add=share - len(staying) - len(keep), keep=keep)
+            return SlotChanges(num_add=share - len(staying))
         if len(staying) > share:
-            remove = staying[share:]
-            ranks = self.node.epoch_ranks
-            return SlotChanges(remove=remove, ranks={i for i in remove if slots[i].child is not None and (
-                ranks is None or self.engine_id(i) in ranks)})
+            return SlotChanges(remove=staying[share:])
         return None
 
     # -- KV figures --------------------------------------------------------------------------
@@ -150,14 +143,14 @@ class EPSupervisor:
                 "adding": [], "removing": []}
 
     def request_scale(self, target: int) -> str:
-        """Write ``desired`` (and a pending op); returns the op id."""
+        """Write ``desired`` (and a pending op, superseding one in progress); returns the op id."""
         from planaria.elastic.errors import ScaleConflictError
 
         try:
             with _frozen_when_down():
                 return self.node.request_scale(target)
-        except ScaleConflictError as exc:
-            raise ConflictError(f"an expert-parallel scale operation is in progress: {exc}") from exc
+        except ScaleConflictError as exc:  # desired kept changing under every attempt
+            raise ConflictError(f"the scale request did not land: {exc}") from exc
 
     def reconfigure(self, max_engines: int) -> None:
         """A reload changed --max-engines: the node record carries the new capacity."""
@@ -207,6 +200,7 @@ class EPSupervisor:
                                       "engines": n.capacity.get("engines"),
                                       "max_engines": n.capacity.get("max_engines")} for n in nodes},
                 "op": op_view(op), "last_op": op_view(last),
+                "ops": {o.op_id: op_view(o) for o in ops},  # bounded (elastic/desired.py MAX_KEPT_OPS)
                 "engines": {e: {"node_id": r.node_id, "state": r.state.value, "epoch": r.epoch, "rank": r.rank,
                                 "kv_source": r.kv_source, "kv_cache_bytes": r.kv_cache_bytes,
                                 "failed_epoch": r.failed_epoch, "error": r.error}

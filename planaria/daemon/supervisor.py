@@ -535,16 +535,15 @@ class Supervisor:
             self._spawn(slot)
         return added
 
-    def _remove_engine(self, engine_id: int, leaves_at_epoch: bool = False) -> None:
-        """Remove an engine: drained and stopped, or (``leaves_at_epoch``: an EP rank) left to
-        go on its own at the scale-down epoch, after its requests moved to survivors (it
-        exits 0 and the slot goes)."""
+    def _remove_engine(self, engine_id: int) -> None:
+        """Remove an engine: drained and stopped (an EP rank drains by leaving its group at
+        an epoch boundary, its requests moving to survivors); the slot goes when it exits."""
         slot = self.engines[engine_id]
         if slot.child is None:
             del self.engines[engine_id]
             self.policy.forget(slot.key)
-        elif leaves_at_epoch or slot.state is SlotState.STOPPING:
-            slot.after_exit = AfterExit.REMOVE  # on its way out already, or at the epoch
+        elif slot.state is SlotState.STOPPING:
+            slot.after_exit = AfterExit.REMOVE  # on its way out already
         else:
             self._stop(slot, AfterExit.REMOVE)  # drains its requests first
 
@@ -553,13 +552,10 @@ class Supervisor:
         changes = self.ep.slot_changes(self.engines)
         if changes is None:
             return
-        for engine_id in changes.keep:
-            self.engines[engine_id].after_exit = AfterExit.UNPLANNED
         added = self._add_engines(changes.num_add, self.ep.reused_kv_config(self._kv_figures()))
         for engine_id in changes.remove:
-            self._remove_engine(engine_id, leaves_at_epoch=engine_id in changes.ranks)
-        self.log.info("following the placement", share=self.ep.share(), added=added,
-                      kept=changes.keep, removing=changes.remove)
+            self._remove_engine(engine_id)
+        self.log.info("following the placement", share=self.ep.share(), added=added, removing=changes.remove)
         self._notify_status()
 
     def ep_status(self) -> dict[str, Any] | None:

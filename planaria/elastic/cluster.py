@@ -11,8 +11,8 @@ this node's frontend (the harness and bench/: the leader launches every engine i
 engines over the nodes (the ``placement`` key) and each supervisor starts its own share.
 The node record carries the node's routable ``host``, its rendezvous address and its
 capacity (``engines``: its --engines, ``max_engines``); the node's thread keeps the
-placement, the epoch's ranks and the group's KV figure fresh (``placement``,
-``epoch_ranks``, ``kv_figure``) for the supervisor's loop, which never waits on etcd.
+placement and the group's KV figure fresh (``placement``, ``kv_figure``) for the
+supervisor's loop, which never waits on etcd.
 """
 
 from __future__ import annotations
@@ -213,7 +213,6 @@ class EPNode:
         self.tick_s = tick_s
         self.kv_figure: int | None = None  # the group's KV figure (kv_budget), for restarts
         self.placement = None  # the leader's elastic.placement.Placement (None: none yet)
-        self.epoch_ranks: set[str] | None = None  # the current epoch's engines (None: unknown)
         self._kv_read_at = 0.0
         self._last_refusal = ""
         self._stop = threading.Event()
@@ -260,8 +259,8 @@ class EPNode:
                 log.exception("controller tick crashed")
 
     def _refresh_view(self, kv_every_s: float = 1.0) -> None:
-        """Keep ``placement``, ``epoch_ranks`` and ``kv_figure`` (read by the supervisor's
-        loop without waiting on etcd). A record that fails its checks (elastic/keys.py,
+        """Keep ``placement`` and ``kv_figure`` (read by the supervisor's loop without waiting
+        on etcd). A record that fails its checks (elastic/keys.py,
         controller.placement_problem) is refused: the view keeps what it had."""
         c = self.controller
         try:
@@ -280,7 +279,6 @@ class EPNode:
         except RecordDecodeError as exc:
             self._refused(f"epoch refused: {exc}")
             return
-        self.epoch_ranks = set(epoch.ranks) if epoch is not None else set()
         now = time.monotonic()
         if now - self._kv_read_at < kv_every_s:
             return

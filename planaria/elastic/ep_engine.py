@@ -10,17 +10,26 @@ group counts a pending epoch as *ready* only once every rank joining it (a rank 
 current group) has arrived in the store, so the current group goes on serving while the
 joiners get there; all ranks of the group switch at the same step boundary once all are
 ready (the sync's min == max). A joiner that never arrives stalls nothing: the leader
-aborts the switch with a newer epoch.
+aborts the switch with a newer epoch. The same all-reduce lets a whole group leave
+together (every rank draining, no work anywhere), so no rank ever exits while its peers
+are inside a collective with it.
 """
 
 from __future__ import annotations
 
 import time
+from typing import NamedTuple
 
 import torch
 
 from planaria.elastic.ep import (CollectiveError, EPGroup, EPSpec, ExpertParallel, apply_expert_parallel,
                         arrive, arrived, connect_store)
+
+
+class SyncResult(NamedTuple):
+    any_work: bool  # some rank has work: every rank runs a forward (a dummy without work)
+    switch: bool  # every rank is ready for the same newer epoch: switch now
+    exit: bool  # every rank is leaving and none has work: leave together now
 
 
 class EPRank:
@@ -31,7 +40,6 @@ class EPRank:
         self.spec = spec
         self.bind_host = bind_host  # gloo's address (None: the one that routes to the store)
         self.group: EPGroup | None = None
-        self.pending: EPSpec | None = None
         self.switch_times_s: dict[str, float] = {}
         self._store = None
         self._store_addr = ""
@@ -82,17 +90,20 @@ class EPRank:
         apply_expert_parallel(self.core.runner.model, ExpertParallel(self.group, spec.expert_map))
         self.switch_times_s["form_group_s"] = time.monotonic() - t0
 
-    def sync(self, has_work: bool, ready: bool = True) -> tuple[bool, bool]:
-        """(any rank has work, every rank is ready for the same newer pending epoch).
+    def sync(self, has_work: bool, pending: int | None = None, leaving: bool = False) -> SyncResult:
+        """The small all-reduce that opens every lockstep step.
 
-        ``ready``: this rank's pending epoch may be switched to now (its joiners arrived)."""
-        pending = self.pending.epoch if self.pending is not None and ready else self.spec.epoch
-        t = torch.tensor([int(has_work), pending, -pending], dtype=torch.long)
+        ``pending``: the newer epoch this rank may switch to now (its joiners arrived);
+        ``leaving``: this rank is draining. Every rank gets the same answer: any rank has
+        work; every rank is ready for the same newer epoch (switch); every rank is leaving
+        and none has work (exit together)."""
+        p = self.spec.epoch if pending is None else pending
+        t = torch.tensor([int(has_work), p, -p, -int(leaving)], dtype=torch.long)
         self.group.all_reduce_max(t)
         any_work = bool(t[0])
-        max_pending, min_pending = int(t[1]), -int(t[2])
+        max_pending, min_pending, all_leaving = int(t[1]), -int(t[2]), -int(t[3]) == 1
         switch = max_pending > self.spec.epoch and min_pending == max_pending
-        return any_work, switch
+        return SyncResult(any_work, switch, all_leaving and not any_work and not switch)
 
     def leave(self) -> None:
         """Drop the current group (the MoE layers go back to local)."""
@@ -101,12 +112,10 @@ class EPRank:
             self.group = None
         apply_expert_parallel(self.core.runner.model, None)
 
-    def switch(self, new: EPSpec | None = None) -> bool:
-        """Move to ``new`` (default: the pending epoch): leave the old group, re-home experts,
-        arrive, build the new group. Returns False when this rank is not part of the new
-        epoch (it should leave). Raises CollectiveError when the new group cannot form."""
-        new = new or self.pending
-        self.pending = None
+    def switch(self, new: EPSpec) -> bool:
+        """Move to ``new``: leave the old group, re-home experts, arrive, build the new
+        group. Returns False when this rank is not part of the new epoch (it should leave).
+        Raises CollectiveError when the new group cannot form."""
         t0 = time.monotonic()
         self.leave()
         if new.rank < 0:

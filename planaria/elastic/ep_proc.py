@@ -33,19 +33,20 @@ import logging
 import os
 import signal
 import sys
-import threading
 import time
 
 import msgspec
 
+from planaria.common.logging import bind_process
 from planaria.elastic.ep import CollectiveError, EPSpec
 from planaria.elastic.ep_engine import EPRank, make_ep_core
 from planaria.elastic.etcd_security import EtcdSecurity
 from planaria.elastic.keys import EngineRecord, EngineRecordState, Epoch, KeyLayout, decode, epoch_problem
+from planaria.elastic.rank_epochs import Arrive, Form, Leave, RankAction, RankEpochs, RankPhase, Refuse
 from planaria.engine import envs
 from planaria.engine.config import EngineConfig
 from planaria.engine.errors import RequestExecutionError
-from planaria.engine.lifecycle import EXIT_OK, EXIT_USAGE, EngineExit
+from planaria.engine.lifecycle import EXIT_OK, EXIT_USAGE, EngineExit, EngineState, SetState
 from planaria.engine.proc import EngineCoreProc, ProcSettings
 from planaria.engine.proc_entry import json_arg, setup_logging
 from planaria.engine.wire import MsgType
@@ -69,16 +70,12 @@ class EPEngineCoreProc(EngineCoreProc):
         self.lease_ttl_s, self.collective_timeout_s = lease_ttl_s, collective_timeout_s
         self.keys = KeyLayout(cluster)
         self.ep: EPRank | None = None
-        self._epoch_lock = threading.Lock()
-        self._latest_epoch: Epoch | None = None
         self._num_experts: int | None = None  # the model's, for the epoch check
+        # Every epoch decision (take, prepare, form, switch, fail, leave): elastic/rank_epochs.py.
+        self.rank = RankEpochs(engine_id, problem=lambda e: epoch_problem(e, num_experts=self._num_experts))
         self._membership = None
         self._watch = None
-        self._preparing: EPSpec | None = None  # an epoch naming us, arrived, not yet formed
         self._forming = False
-        self._seen_epoch = -1  # epochs up to this one are not (re)adopted
-        self._served_epoch = 0
-        self._failed_epoch = 0
         self._error = ""
         self.timings: dict[str, float] = {}
         self._started_at = time.time()
@@ -106,7 +103,7 @@ class EPEngineCoreProc(EngineCoreProc):
                            kv_cache_bytes=core.kv_cache_bytes if core else 0,
                            kv_source=core.kv_source if core else "",
                            timings={**(core.init_timings if core else {}), **self.timings},
-                           served_epoch=self._served_epoch, failed_epoch=self._failed_epoch,
+                           served_epoch=self.rank.served, failed_epoch=self.rank.failed,
                            error=self._error)
         try:
             self._membership.put_engine(rec)
@@ -114,6 +111,7 @@ class EPEngineCoreProc(EngineCoreProc):
             log.warning("engine %s: record not written now (%s)", self.engine_id, exc)
 
     def _on_epoch_events(self, events) -> None:
+        """The watch thread: offer each valid epoch to the state machine, wake the loop."""
         for ev in events:
             if ev.key != self.keys.epoch or ev.value is None:
                 continue
@@ -126,10 +124,8 @@ class EPEngineCoreProc(EngineCoreProc):
             if problem:
                 log.error("engine %s: epoch %d refused: %s", self.engine_id, epoch.number, problem)
                 continue
-            with self._epoch_lock:
-                if self._latest_epoch is None or epoch.number > self._latest_epoch.number:
-                    self._latest_epoch = epoch
-            self.input_queue.put((None, MsgType.WAKEUP, None))  # the loop takes the epoch
+            if self.rank.offer(epoch):
+                self.input_queue.put((None, MsgType.WAKEUP, None))  # the loop takes the epoch
 
     def _epoch_refusal(self, epoch: Epoch) -> str | None:
         """Why this engine must not act on ``epoch`` (keys.epoch_problem with what this
@@ -154,44 +150,13 @@ class EPEngineCoreProc(EngineCoreProc):
                       expert_map=epoch.expert_map, timeout_s=self.collective_timeout_s, backend=backend,
                       ranks=list(epoch.ranks))
 
-    def _in_group(self) -> bool:
-        return self.ep is not None and self.ep.group is not None
-
-    def _take_epoch(self) -> EPSpec | None:
-        """The newest epoch not yet taken (None if there is none). Outside a group, an epoch
-        that does not name us is only remembered (and aborts a prepare in progress)."""
-        with self._epoch_lock:
-            epoch = self._latest_epoch
-        if epoch is None:
-            return None
-        current = self.ep.spec.epoch if self._in_group() else -1
-        pending = self.ep.pending.epoch if self.ep is not None and self.ep.pending is not None else -1
-        preparing = self._preparing.epoch if self._preparing is not None else -1
-        if epoch.number <= max(current, pending, preparing, self._seen_epoch):
-            return None
-        problem = epoch_problem(epoch, num_experts=self._num_experts)  # the expert count, known now
-        if problem:
-            log.error("engine %s: epoch %d refused: %s", self.engine_id, epoch.number, problem)
-            self._seen_epoch = epoch.number
-            return None
-        spec = self._spec_for(epoch)
-        if spec.rank < 0 and not self._in_group():
-            self._seen_epoch = epoch.number
-            if self._preparing is not None:
-                log.info("engine %s: epoch %d superseded by %d, which does not name us",
-                         self.engine_id, self._preparing.epoch, epoch.number)
-                self._preparing = None
-            return None
-        return spec
-
     # -- load ---------------------------------------------------------------------------------
     def _load(self) -> None:
         t0 = time.monotonic()
         self._start_cluster()
         self.timings["cluster_s"] = time.monotonic() - t0  # etcd: connect, lease, record, watch
         # Load this rank's experts of the newest epoch that names it (else the first share).
-        with self._epoch_lock:
-            epoch = self._latest_epoch
+        epoch = self.rank.latest
         from planaria.elastic.planner import expert_map
         from planaria.engine.models.loader import load_hf_config, spec_from_config
 
@@ -206,16 +171,12 @@ class EPEngineCoreProc(EngineCoreProc):
         self.timings["load_begin_at"] = time.time()
         self.core = make_ep_core(self.config, spec)
         self._dtype_text = self.core.dtype_text
-        self.ep = EPRank(self.core, spec, bind_host=self.bind_host)
-        self.ep.spec = msgspec.structs.replace(spec, epoch=-1)  # not in a group yet
+        self.ep = EPRank(self.core, msgspec.structs.replace(spec, epoch=-1), bind_host=self.bind_host)
         self.timings["load_s"] = time.monotonic() - t0
         if envs.get().gc_freeze:  # now, not between joining the group and READY (0.1-0.2 s)
             gc.collect()
             gc.freeze()
-        with self._epoch_lock:  # an epoch from before our READY that names us is a previous
-            stale = self._latest_epoch  # incarnation's membership: never join it (its arrival
-        if stale is not None and self.engine_id in stale.ranks:  # keys are still in the store)
-            self._seen_epoch = max(self._seen_epoch, stale.number)
+        self.rank.skip_stale()  # an epoch naming us from before READY is a previous incarnation's
         self.timings["ready_at"] = time.time()
         self._record(EngineRecordState.READY)
         self._join_first_group()
@@ -223,45 +184,93 @@ class EPEngineCoreProc(EngineCoreProc):
     def _join_first_group(self) -> None:
         """Wait (loaded, READY in etcd) for an epoch that names us and join it. The frontends
         hear READY only after this, so no request is routed to a rank outside a group."""
-        while not self._in_group():
+        while not self.rank.in_group:
             if self.lifecycle.num_signals:
                 log.info("engine %s: stopped before joining a group", self.engine_id)
                 raise SystemExit(EXIT_OK)
-            self._try_join()
-            if not self._in_group():
+            self._outside_step()
+            if not self.rank.in_group:
                 time.sleep(IDLE_POLL_S)
 
-    # -- prepare -> commit ----------------------------------------------------------------------
-    def _try_join(self) -> None:
+    # -- the lockstep loop ---------------------------------------------------------------------
+    def _busy_loop(self) -> int:
+        """Like EngineCoreProc's, with a lockstep sync before each step. A fault's recovery
+        is a re-formed group (lifecycle.on_group_lost/on_group_formed); a draining rank
+        leaves at an epoch boundary (rank_epochs), or when its drain deadline passes."""
+        lifecycle = self.lifecycle
+        try:
+            while True:
+                busy = self.rank.in_group and self.core.has_unfinished_requests()
+                self._process_inputs(block_s=0 if busy else IDLE_POLL_S)
+                self._carry_out(lifecycle.on_leave_tick(time.monotonic()))
+                if not self.rank.in_group:
+                    self._outside_step()
+                    if not self.rank.in_group:
+                        self._carry_out(lifecycle.on_reform_tick(time.monotonic()))
+                    continue
+                self._act(self.rank.take())  # a newer epoch becomes pending
+                self._group_step()
+        except EngineExit as exc:
+            return exc.code
+
+    def _group_step(self) -> None:
+        """One lockstep round in the group: sync, then switch, leave together, or step."""
+        rank, number = self.rank, self.rank.current.number
+        has_work = self.lifecycle.can_step and self.core.has_unfinished_requests()
+        try:
+            pending = rank.pending
+            ready = pending is not None and self._joiners_arrived(self._spec_for(pending))
+            result = self.ep.sync(has_work, pending.number if ready else None, leaving=rank.leaving)
+            if result.switch:
+                self._act(rank.switch_agreed())
+            elif result.exit:
+                self._act(rank.exit_agreed())
+            elif result.any_work:
+                self._ep_step(has_work)
+        except CollectiveError as exc:
+            self._group_failed(number, exc)
+
+    def _outside_step(self) -> None:
         """One non-blocking step toward a group, for a rank outside one: take the newest
         epoch naming us and arrive (prepare); once every rank of it arrived, form (commit)."""
-        new = self._take_epoch()
-        if new is not None:
-            self._preparing = new
-            try:
-                self.ep.arrive(new)
-            except CollectiveError as exc:
-                self._preparing = None
-                self._group_failed(new.epoch, exc)
-                return
-            self.timings["arrived_at"] = time.time()
-            if self._fault == "stop_after_arrive":
-                self._fault = ""
-                log.warning("engine %s: fault injection: SIGSTOP after arriving at epoch %d",
-                            self.engine_id, new.epoch)
-                os.kill(os.getpid(), signal.SIGSTOP)
-        spec = self._preparing
-        if spec is None:
+        self._act(self.rank.take())
+        target = self.rank.target
+        if target is None or self.rank.phase is not RankPhase.PREPARING:
             return
         try:
-            ready = self.ep.all_arrived(spec)
+            ready = self.ep.all_arrived(self._spec_for(target))
         except CollectiveError as exc:
-            self._preparing = None
-            self._group_failed(spec.epoch, exc)
+            self._group_failed(target.number, exc)
             return
         if ready:
-            self._preparing = None
-            self._adopt(spec)
+            self._act(self.rank.all_arrived())
+
+    def _act(self, action: RankAction | None) -> None:
+        """Carry out what the rank's state machine decided."""
+        match action:
+            case None:
+                return
+            case Refuse(epoch=epoch, problem=problem):
+                log.error("engine %s: epoch %d refused: %s", self.engine_id, epoch.number, problem)
+            case Arrive(epoch=epoch):
+                self._arrive(epoch)
+            case Form(epoch=epoch):
+                self._form(epoch)
+            case Leave(reason=reason):
+                self._leave(reason)
+
+    def _arrive(self, epoch: Epoch) -> None:
+        try:
+            self.ep.arrive(self._spec_for(epoch))
+        except CollectiveError as exc:
+            self._group_failed(epoch.number, exc)
+            return
+        self.timings["arrived_at"] = time.time()
+        if self._fault == "stop_after_arrive":
+            self._fault = ""
+            log.warning("engine %s: fault injection: SIGSTOP after arriving at epoch %d",
+                        self.engine_id, epoch.number)
+            os.kill(os.getpid(), signal.SIGSTOP)
 
     def _joiners_arrived(self, spec: EPSpec) -> bool:
         try:
@@ -270,44 +279,9 @@ class EPEngineCoreProc(EngineCoreProc):
             log.warning("engine %s: arrivals of epoch %d unknown: %s", self.engine_id, spec.epoch, exc)
             return False
 
-    # -- the lockstep loop ---------------------------------------------------------------------
-    def _busy_loop(self) -> int:
-        """Like EngineCoreProc's, with a lockstep sync before each step. A fault's recovery
-        is a re-formed group (lifecycle.on_group_lost/on_group_formed), so only the drain
-        and the re-form deadlines are checked here."""
-        lifecycle = self.lifecycle
-        try:
-            while True:
-                in_group = self._in_group() and not lifecycle.reforming
-                busy = in_group and self.core.has_unfinished_requests()
-                self._process_inputs(block_s=0 if busy else IDLE_POLL_S)
-                self._carry_out(lifecycle.on_drain_tick(time.monotonic(), self.core.has_unfinished_requests()))
-                if not in_group:
-                    self._try_join()
-                    if not self._in_group():
-                        self._carry_out(lifecycle.on_reform_tick(time.monotonic()))
-                    continue
-                new = self._take_epoch()
-                if new is not None:
-                    self.ep.pending = new
-                has_work = lifecycle.can_step and self.core.has_unfinished_requests()
-                pending = self.ep.pending
-                try:
-                    ready = pending is not None and self._joiners_arrived(pending)
-                    any_work, switch = self.ep.sync(has_work, ready)
-                    if switch:
-                        self._adopt(self.ep.pending)
-                        continue
-                    if any_work:
-                        self._ep_step(has_work)
-                except CollectiveError as exc:
-                    self._group_failed(self.ep.spec.epoch, exc)
-        except EngineExit as exc:
-            return exc.code
-
     def _ep_step(self, has_work: bool) -> None:
         try:
-            outputs, _ = self.core.step(force_forward=True) if has_work else ([], self._dummy())
+            outputs = self.core.step(force_forward=True)[0] if has_work else self._dummy()
         except RequestExecutionError as exc:
             self.core.fail_requests(exc.request_ids, f"request execution failed: {exc}")
             return
@@ -319,53 +293,69 @@ class EPEngineCoreProc(EngineCoreProc):
         if outputs:
             self._publish(outputs)
 
-    def _dummy(self) -> bool:
-        self.core.runner.execute_dummy()
-        self.core.step_counter += 1
-        return True
+    def _dummy(self) -> list:
+        self.core.execute_dummy_step()
+        return []
 
-    def _adopt(self, spec: EPSpec) -> None:
-        """Commit: join `spec`'s group (re-homing experts), or leave when it does not name us."""
+    def _form(self, epoch: Epoch) -> None:
+        """Commit: build ``epoch``'s group (re-homing experts; from a group: leaving it first)."""
         t0 = time.monotonic()
-        if spec.rank < 0:
-            log.info("engine %s: not in epoch %d: leaving (requests move to survivors)", self.engine_id, spec.epoch)
-            self._record(EngineRecordState.STOPPED)
-            self._send_dead(f"scaled down: left at epoch {spec.epoch}")
-            self._req_slot.clear()
-            raise EngineExit(EXIT_OK)
+        spec = self._spec_for(epoch)
         self._forming = True
         try:
             self.ep.switch(spec)
         except Exception as exc:  # noqa: BLE001 - a failed switch never kills the rank
-            self._group_failed(spec.epoch, exc)
+            self._group_failed(epoch.number, exc)
             return
         finally:
             self._forming = False
-        self._served_epoch = spec.epoch
+        self.rank.formed()
         self.timings["switch_s"] = time.monotonic() - t0
         self.timings["serving_at"] = time.time()
         self.timings.update(self.ep.switch_times_s)
         self._carry_out(self.lifecycle.on_group_formed(spec.epoch))
         log.info("engine %s: rank %d of %d in epoch %d (%.3f s)", self.engine_id, spec.rank, spec.world_size,
                  spec.epoch, self.timings["switch_s"])
-        from planaria.common.logging import bind_process  # every later log line names the rank
+        bind_process(rank=spec.rank, epoch=spec.epoch)  # every later log line names the rank
+        self._record(EngineRecordState.DRAINING if self.rank.leaving else EngineRecordState.SERVING)
 
-        bind_process(rank=spec.rank, epoch=spec.epoch)
-        self._record(EngineRecordState.SERVING)
+    def _leave(self, reason: str) -> None:
+        """Leave the cluster at an epoch boundary: requests in flight go to survivors (the
+        frontends' journals replay them on ENGINE_CORE_DEAD), then exit 0."""
+        self.ep.leave()
+        self._record(EngineRecordState.STOPPED)
+        if self._req_slot:
+            self._send_dead(reason)
+            self._req_slot.clear()
+        else:
+            self._send_status(EngineState.STOPPED, f"left the cluster: {reason}", False)
+        log.info("engine %s: left the cluster: %s", self.engine_id, reason)
+        raise EngineExit(EXIT_OK)
 
     def _group_failed(self, epoch: int, exc: BaseException) -> None:
-        """A collective, or the switch to ``epoch``, failed (a peer died, hung, or never
-        came). Requests are kept; the rank reports the failed epoch in etcd and waits for
-        the leader's next epoch (a re-form without the lost rank, or an abort)."""
+        """A collective, or the forming of ``epoch``'s group, failed (a peer died, hung, or
+        never came). Requests are kept; the rank reports the failed epoch in etcd and goes
+        on with the newest epoch that names it: one the leader wrote already (a group broken
+        by a departing rank), or its next (a re-form without the lost rank, or an abort)."""
         log.error("engine %s: group of epoch %d failed: %s", self.engine_id, epoch, exc)
         if self.core is not None:
             self.core.recover_after_fault()
-        self._seen_epoch = max(self._seen_epoch, epoch)  # a failed epoch is never formed again
+        self.rank.failed_at(epoch)
         self.ep.leave()
-        self._failed_epoch, self._error = epoch, f"{type(exc).__name__}: {exc}"[:400]
+        self._error = f"{type(exc).__name__}: {exc}"[:400]
         # a rank that served: UNHEALTHY (not announced) until re-formed, or dead at the deadline
         self._carry_out(self.lifecycle.on_group_lost(str(exc), time.monotonic()))
-        self._record(EngineRecordState.UNHEALTHY)
+        self._record(EngineRecordState.DRAINING if self.rank.leaving else EngineRecordState.UNHEALTHY)
+
+    def _carry_out(self, actions) -> None:
+        """The lifecycle's actions; a drain (SIGTERM, SHUTDOWN) makes a rank leave at an epoch
+        boundary: its record says DRAINING (the leader re-forms without it) first."""
+        for action in actions:
+            if isinstance(action, SetState) and action.state is EngineState.DRAINING and not self.rank.leaving:
+                self.rank.request_leave()
+                if self._membership is not None:
+                    self._record(EngineRecordState.DRAINING)
+            super()._carry_out([action])
 
     def _heartbeat(self):
         """Waiting for (or forming) a group, or on a peer inside a collective, is not a hang:
@@ -385,7 +375,7 @@ class EPEngineCoreProc(EngineCoreProc):
         info = super()._u_get_info()
         spec = self.ep.spec if self.ep else None
         info.update(engine_id=self.engine_id, epoch=spec.epoch if spec else None,
-                    rank=spec.rank if spec else None, timings=self.timings)
+                    rank=spec.rank if spec else None, phase=self.rank.phase.value, timings=self.timings)
         return info
 
 

@@ -227,8 +227,7 @@ class EngineCore:
         sched = self.scheduler.schedule() if self.scheduler.has_schedulable_requests() else None
         if sched is None or sched.empty:
             if force_forward:
-                self.runner.execute_dummy()
-                self.step_counter += 1
+                self.execute_dummy_step()
                 return outputs, True
             return outputs, False
         self._inflight = sched
@@ -241,6 +240,12 @@ class EngineCore:
         if self._weight_update is not None:  # the last old request may just have finished
             self._maybe_swap_weights()
         return outputs + self._take_pending(), True
+
+    def execute_dummy_step(self) -> None:
+        """A forward over zero tokens, counted as a step (expert parallelism: a rank with
+        nothing of its own still joins the step's collectives)."""
+        self.runner.execute_dummy()
+        self.step_counter += 1
 
     def recover_after_fault(self) -> None:
         """After an engine-level fault inside a step: roll the in-flight batch back so its

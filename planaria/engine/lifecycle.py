@@ -45,8 +45,9 @@ class EngineState(str, enum.Enum):
     any -> STOPPED (a frontend sent HANDSHAKE_REJECT after READY: exit EXIT_CONFIG_MISMATCH).
     Expert parallelism: RUNNING -> UNHEALTHY (the rank's group failed; not announced, the
     rank keeps taking requests) -> RUNNING (re-formed at a new epoch) | DEAD (no new epoch
-    within the re-form timeout); a rank re-forming from PAUSED or DRAINING keeps that
-    state until it re-forms, then is RUNNING.
+    within the re-form timeout); a rank re-forming from PAUSED keeps that state until it
+    re-forms, then is RUNNING; a DRAINING one stays DRAINING (it leaves at the next epoch
+    boundary, or at its drain deadline: ``on_leave_tick``).
     """
 
     STARTING = "starting"
@@ -341,8 +342,18 @@ class EngineLifecycle:
         self.reforming = False
         self.reform_deadline = None
         self.fault_reason = ""
+        if self.state == EngineState.DRAINING:  # still leaving: at the next epoch boundary
+            return []
         self.state = EngineState.RUNNING
         return [SetState(EngineState.RUNNING, f"re-formed at epoch {epoch}")]
+
+    def on_leave_tick(self, now: float) -> list[Action]:
+        """Expert parallelism: a draining rank leaves at an epoch boundary (when the group
+        agrees), not when it runs out of work; only its drain deadline ends it here."""
+        if self.state != EngineState.DRAINING or self.deadline is None or now < self.deadline:
+            return []
+        self.state = EngineState.STOPPED
+        return [Stop(aborted=True, cause="drain timeout before its group let it go")]
 
     def on_reform_tick(self, now: float) -> list[Action]:
         """Still outside a group: a re-forming rank dies once its re-form window is over."""

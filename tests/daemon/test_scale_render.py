@@ -95,3 +95,20 @@ def test_started_line_says_what_began():
     assert scale.render_started({"engines": 3, "target": 2, "op_id": 4, "adding": [],
                                  "removing": [2]}) == \
         "scaling 3 -> 2 engines (op 4): draining engine 2"
+
+
+def test_a_superseded_op_ends_its_wait_and_says_by_whom():
+    """`scale to 3 --wait` while someone else's `scale to 2` lands: the wait for op-1 ends
+    when op-1 is cancelled (not when the newer op-2 ends), and names op-2."""
+    superseded = {"op_id": "op-1", "target": 3, "phase": "cancelled", "progress": "",
+                  "error": "superseded by op-2 (scale to 2)"}
+    newer = {"op_id": "op-2", "target": 2, "phase": "launching", "progress": ""}
+    st = status(engine(0, "running"), ep={"op": newer, "last_op": superseded,
+                                          "ops": {"op-1": superseded, "op-2": newer}})
+    assert scale.finished(st, "op-1") and not scale.finished(st, "op-2")
+    assert scale.render_final(st, 3, 2.0, "op-1") == (
+        "scale to 3 cancelled after 2.0s (ep op op-1: superseded by op-2 (scale to 2)); 1/1 engines up", False)
+    # op-2 finished too before the wait looked again: op-1 is found among the recent ops
+    done = {**newer, "phase": "done"}
+    later = status(engine(0, "running"), ep={"op": None, "last_op": done, "ops": {"op-1": superseded, "op-2": done}})
+    assert scale.finished(later, "op-1") and "superseded by op-2" in scale.render_final(later, 3, 4.0, "op-1")[0]

@@ -67,11 +67,13 @@ def _rank_main(rank, model, world_sizes, port, result_q):
         core = make_ep_core(config, spec(1, rank, world_sizes[1]))
         ep = EPRank(core, spec(1, rank, world_sizes[1]))
         ep.form()
+    pending = None
     while True:
-        any_work, switch = ep.sync(core.has_unfinished_requests())
+        any_work, switch, _exit = ep.sync(core.has_unfinished_requests(), pending.epoch if pending else None)
         if switch:
-            if not ep.switch():
+            if not ep.switch(pending):
                 break  # left the group (scale-down); its requests were finished already
+            pending = None
             continue  # the first call in a new group is always the sync
         if not any_work:
             break
@@ -82,7 +84,7 @@ def _rank_main(rank, model, world_sizes, port, result_q):
                 got[f"{o.request_id}:prompt"] = [lp.logprobs[0] for lp in o.prompt_logprobs]
         steps += 1
         if steps == 4 and len(world_sizes) > 1 and rank < w0:
-            ep.pending = spec(1, rank, world_sizes[1])
+            pending = spec(1, rank, world_sizes[1])
     result_q.put((rank, got))
     del store
 

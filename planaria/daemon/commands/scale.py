@@ -19,13 +19,16 @@ already under way.
 Expert-parallel mode (--parallel ep): the count is the cluster's, on any node: the
 command writes etcd's ``desired`` (the reply's op_id is the EP op's, adding/removing are
 empty), the leader places the engines over the nodes and each node's supervisor starts
-or removes its share; `up`/`down` start from the cluster's count. --wait shows the
-placement and the other nodes' engines too, and ends when the EP op is over, with exit 0
-when the group has the target's ranks, all serving.
+or removes its share; `up`/`down` start from the cluster's count. The newest request
+wins: one made while another is under way supersedes it (that op ends "cancelled",
+superseded by the new one, whose target the cluster then follows). --wait shows the
+placement and the other nodes' engines too, and ends when its EP op is over, with exit 0
+when the group has the target's ranks, all serving (1 when it was superseded or failed).
 
 Errors, each changing nothing: BAD_ARGUMENT (a count below 1 or above the daemon's
---max-engines; in EP mode, the sum of the nodes' --max-engines), CONFLICT (another scale
-operation is in progress), UNAVAILABLE (shutting down; in EP mode, etcd unreachable).
+--max-engines; in EP mode, the sum of the nodes' --max-engines), CONFLICT (replica mode:
+another scale operation is in progress), UNAVAILABLE (shutting down; in EP mode, etcd
+unreachable).
 """
 
 from __future__ import annotations
@@ -133,11 +136,24 @@ def render_changes(before: dict[str, str] | None, after: dict[str, str]) -> list
     return lines
 
 
-def finished(status: dict[str, Any], op_id: int) -> bool:
-    """The supervisor's op ``op_id`` is over and no EP op is still under way."""
+def _own_ep_op(status: dict[str, Any], op_id: int | str | None) -> dict[str, Any] | None:
+    """The EP op ``op_id`` from the status (active, last, or among the recent ops)."""
+    ep = status.get("ep") or {}
+    for op in (ep.get("op"), ep.get("last_op"), (ep.get("ops") or {}).get(op_id)):
+        if op and op_id is not None and op.get("op_id") == op_id:
+            return op
+    return None
+
+
+def finished(status: dict[str, Any], op_id: int | str) -> bool:
+    """The supervisor's op ``op_id`` is over, and the EP op (``op_id`` itself when the
+    status lists it: it may have been superseded) is no longer under way."""
     scale = status.get("scale")
     if scale is not None and scale["op_id"] == op_id:
         return False
+    own = _own_ep_op(status, op_id)
+    if own is not None:
+        return own["phase"] in _FINAL_PHASES
     ep_op = (status.get("ep") or {}).get("op")
     return ep_op is None or ep_op["phase"] in _FINAL_PHASES
 
@@ -145,13 +161,11 @@ def finished(status: dict[str, Any], op_id: int) -> bool:
 def render_final(status: dict[str, Any], target: int, elapsed_s: float,
                  op_id: int | str | None = None) -> tuple[str, bool]:
     """The closing line, and whether the operation reached its target. An EP op that failed
-    is named with its reason: the status's active ``op``, or ``last_op`` when it is ``op_id``
-    (a finished op is no longer the active one)."""
+    or was superseded is named with its reason (``op_id``'s own record when the status has
+    it: a finished op is no longer the active one)."""
     up, total = status["num_up"], status["num_engines"]
     ep = status.get("ep") or {}
-    ep_op = ep.get("op")
-    if ep_op is None and op_id is not None and (ep.get("last_op") or {}).get("op_id") == op_id:
-        ep_op = ep["last_op"]
+    ep_op = _own_ep_op(status, op_id) or ep.get("op")
     if ep_op and ep_op["phase"] in ("failed", "cancelled"):
         why = ep_op.get("error") or ep_op.get("progress")
         return (f"scale to {target} {ep_op['phase']} after {elapsed_s:.1f}s "
