@@ -106,6 +106,8 @@ class Launcher:
         env.setdefault("HF_HUB_OFFLINE", "1")
         # --compile: Inductor's caches in the state dir, shared by restarts and standbys
         env.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path(self.config.state_dir).resolve() / "compile-cache"))
+        # EP: the node's experts in the compute dtype, mapped by every rank (engine/models/expert_cache.py)
+        env.setdefault("PLANARIA_EXPERT_CACHE_DIR", str(Path(self.config.state_dir).resolve() / "expert-cache"))
         # Children import the very tree this supervisor runs from (an editable install
         # may not map the package the same way).
         root = str(Path(__file__).resolve().parents[2])

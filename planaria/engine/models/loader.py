@@ -22,6 +22,7 @@ import torch
 from safetensors import safe_open
 
 from planaria.engine.errors import ModelLoadError, UnsupportedModelError
+from planaria.engine.models import expert_cache
 from planaria.engine.models.decoder import DecoderModel, ModelSpec
 from planaria.engine.models.rope import rotary_from_config
 
@@ -259,10 +260,15 @@ def load_model(model_dir: str, dtype: torch.dtype, device: torch.device, max_pos
     params = dict(model.named_parameters())
     for name, pieces in plan.items():
         _assign(model, name, _materialize(rd, name, params[name], pieces, dtype, device))
+    cache = _expert_cache(model_dir, spec, dtype) if expert_range is not None else None
     for i, layer in enumerate(model.layers):
         experts = (layer.mlp.expert_start, layer.mlp.expert_end) if i in spec.sparse_layers else None
         for name, pieces in _layer_plan(rd, spec, i, experts).items():
+            if cache is not None and name in expert_cache.tensor_names(i):
+                continue  # from the cache below: a view, no read, no cast
             _assign(model, name, _materialize(rd, name, params[name], pieces, dtype, device))
+        if cache is not None and experts is not None:
+            _assign_cached_experts(model, cache, rd, i, experts, params, dtype, device)
         if progress:
             progress(i + 1, spec.num_layers)
     missing = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
@@ -276,21 +282,57 @@ def load_model(model_dir: str, dtype: torch.dtype, device: torch.device, max_pos
 
 
 def load_expert_weights(model, model_dir: str, spec: ModelSpec, dtype, device, expert_range: tuple[int, int]) -> int:
-    """Replace every MoE layer's local experts with [start, end) read from the checkpoint."""
+    """Replace every MoE layer's local experts with [start, end): views of the node's expert
+    cache (engine/models/expert_cache.py), else read from the checkpoint. Returns the bytes
+    the experts now take (read or mapped)."""
     start, end = expert_range
     rd = _Reader(Path(model_dir))
+    cache = _expert_cache(model_dir, spec, dtype)
     n_local = end - start
     for i, layer in enumerate(model.layers):
         if i not in spec.sparse_layers:
             continue
         moe = layer.mlp
-        shapes = {f"layers.{i}.mlp.w13": (n_local, *moe.w13.shape[1:]),
-                  f"layers.{i}.mlp.w2": (n_local, *moe.w2.shape[1:])}
-        for name, pieces in _expert_plan(rd, spec, i, start, end).items():
-            like = torch.empty(shapes[name], device="meta")
-            _assign(model, name, _materialize(rd, name, like, pieces, dtype, device))
+        shapes = {f"layers.{i}.mlp.w13": torch.empty((n_local, *moe.w13.shape[1:]), device="meta"),
+                  f"layers.{i}.mlp.w2": torch.empty((n_local, *moe.w2.shape[1:]), device="meta")}
+        if cache is not None:
+            _assign_cached_experts(model, cache, rd, i, expert_range, shapes, dtype, device)
+        else:
+            for name, pieces in _expert_plan(rd, spec, i, start, end).items():
+                _assign(model, name, _materialize(rd, name, shapes[name], pieces, dtype, device))
         moe.expert_start, moe.expert_end = start, end
     return rd.num_bytes
+
+
+def _expert_cache(model_dir: str, spec: ModelSpec, dtype) -> expert_cache.ExpertCache | None:
+    """The node's cache of this checkpoint's experts in ``dtype`` (built from the checkpoint
+    the first time), or None when it is turned off."""
+    build_rd = _Reader(Path(model_dir))  # its byte count is the build's, not the model's
+
+    def build_layer(i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        plan = _expert_plan(build_rd, spec, i, 0, spec.num_experts)
+        inter, hidden = spec.moe_intermediate_size, spec.hidden_size
+        like = {f"layers.{i}.mlp.w13": torch.empty((spec.num_experts, 2 * inter, hidden), device="meta"),
+                f"layers.{i}.mlp.w2": torch.empty((spec.num_experts, hidden, inter), device="meta")}
+        w13, w2 = (_materialize(build_rd, name, like[name], plan[name], dtype, torch.device("cpu"))
+                   for name in expert_cache.tensor_names(i))
+        return w13, w2
+
+    return expert_cache.open_or_build(model_dir, dtype, sorted(spec.sparse_layers), build_layer)
+
+
+def _assign_cached_experts(model, cache: expert_cache.ExpertCache, rd: _Reader, i: int,
+                           expert_range: tuple[int, int], like: dict[str, torch.Tensor], dtype, device) -> None:
+    """Layer ``i``'s experts [start, end) as views of the cache (a copy only to another device)."""
+    w13, w2 = cache.view(i, *expert_range)
+    for name, t in zip(expert_cache.tensor_names(i), (w13, w2)):
+        if tuple(t.shape) != tuple(like[name].shape):
+            raise ModelLoadError(f"expert cache {cache.path}: {name} shaped {tuple(t.shape)}, "
+                                 f"the model wants {tuple(like[name].shape)}")
+        if t.device != device or t.dtype != dtype:
+            t = t.to(device=device, dtype=dtype, copy=True)
+        rd.num_bytes += t.numel() * t.element_size()
+        _assign(model, name, t)
 
 
 def model_fingerprint(model_dir: str) -> str:
