@@ -289,7 +289,7 @@ class ServeStack:
         if kind == "kill":
             return reason == "killed by SIGKILL"
         if kind == "hang":
-            return reason.startswith(("hung: work queued", "frozen: no heartbeat"))
+            return reason.startswith(("hung: work queued", "frozen: no heartbeat", "frozen: stopped (SIGSTOP)"))
         if kind == "fatal":
             return reason == "exit code 1"
         raise ValueError(kind)

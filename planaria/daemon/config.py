@@ -53,6 +53,7 @@ class ServeConfig(msgspec.Struct, kw_only=True, frozen=True):
     engine_config: dict[str, Any] = {}
     compile: bool = False  # EngineConfig.compile for every engine (engine/compiled.py)
     hang_timeout_s: float = 30.0
+    stopped_timeout_s: float = 0.5  # an engine stopped (SIGSTOP/SIGTSTP) this long is killed; 0: off
     heartbeat_interval_s: float = 0.5
     stop_timeout_s: float = 30.0  # SIGTERM, then this long to drain, then SIGKILL
     handshake_timeout_s: float = 120.0
@@ -138,6 +139,8 @@ class ServeConfig(msgspec.Struct, kw_only=True, frozen=True):
             host, sep, port = self.admin_tcp.rpartition(":")
             if not sep or not host or not port.isdigit():
                 raise ConfigError(f"--admin-tcp wants HOST:PORT, got {self.admin_tcp!r}")
+        if self.stopped_timeout_s < 0:
+            raise ConfigError(f"--stopped-timeout-s must be >= 0, got {self.stopped_timeout_s}")
         if self.heartbeat_interval_s * 2 > self.hang_timeout_s:
             raise ConfigError("--hang-timeout-s must be at least twice the heartbeat interval")
         if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
@@ -245,7 +248,7 @@ def _ip(text: str, flag: str) -> str:
 
 
 #: fields a reload applies to the running daemon; the rest need a restart
-LIVE_FIELDS = frozenset({"log_level", "hang_timeout_s", "stop_timeout_s", "max_engines",
+LIVE_FIELDS = frozenset({"log_level", "hang_timeout_s", "stopped_timeout_s", "stop_timeout_s", "max_engines",
                          "restart_backoff_s", "restart_backoff_max_s", "flap_window_s",
                          "flap_max_exits", "flap_hold_s", "retry_limit", "stable_s",
                          "served_restart_delay_s", "served_restart_max"})
@@ -269,6 +272,9 @@ _FLAGS: list[tuple[str, str, Any, str]] = [
      "first time; the code is cached in STATE_DIR/compile-cache for restarts and standbys)"),
     ("--hang-timeout-s", "hang_timeout_s", float,
      "kill an engine with work and no step progress this long (default 30)"),
+    ("--stopped-timeout-s", "stopped_timeout_s", float,
+     "kill an engine found stopped (SIGSTOP/SIGTSTP, not a debugger's stop) this long, without "
+     "waiting for the hang timeout; 0 turns it off (default 0.5)"),
     ("--heartbeat-interval-s", "heartbeat_interval_s", float, "engine heartbeat period (default 0.5)"),
     ("--stop-timeout-s", "stop_timeout_s", float,
      "drain time after SIGTERM before SIGKILL, for stop/restart/drain (default 30)"),

@@ -107,3 +107,25 @@ class HangDetector:
     def forget(self, engine_id: Hashable) -> None:
         """Drop an engine (it exited or was killed); a restarted one starts fresh."""
         self._engines.pop(engine_id, None)
+
+
+class StoppedWatch:
+    """Processes found stopped by job control (SIGSTOP/SIGTSTP: state T, not a tracer's
+    stop) for ``timeout_s``: they cannot step, and whoever stopped them is not going to
+    wake them in time, so they are killed without waiting for the hang timeout. Keyed by
+    pid, so a restarted process starts fresh. Pure: the caller probes the process state."""
+
+    def __init__(self, timeout_s: float) -> None:
+        self.timeout_s = float(timeout_s)
+        self._since: dict[int, float] = {}
+
+    def observe(self, pid: int, stopped: bool, now: float) -> float | None:
+        """Seconds it has been stopped, once that reaches ``timeout_s`` (else None)."""
+        if not stopped:
+            self._since.pop(pid, None)
+            return None
+        since = self._since.setdefault(pid, now)
+        return now - since if now - since >= self.timeout_s else None
+
+    def forget(self, pid: int) -> None:
+        self._since.pop(pid, None)

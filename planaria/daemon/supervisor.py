@@ -14,7 +14,9 @@ What it does:
   limit); planned stops (restart, drain, scale-down, shutdown) are not failures;
 - an engine with work and no step progress for ``hang_timeout_s``, or no heartbeat at
   all for twice that (``HangDetector`` on its heartbeats), is SIGKILLed, reported and
-  restarted like any dead engine;
+  restarted like any dead engine; so is one found stopped by job control (SIGSTOP) for
+  ``stopped_timeout_s`` (0.5 s; ``StoppedWatch``, its state looked at every 0.2 s), which
+  cannot step however long one waits;
 - when the frontend dies, the engines go with it (their handshake was with the dead
   process; a new frontend would not know them) and start again with the new frontend;
 - systemd hears READY=1 when the first engine serves, a STATUS= line on every change,
@@ -34,13 +36,14 @@ from planaria.common.logging import get_logger
 from planaria.daemon.children import Child, ChildSpec, describe_exit
 from planaria.daemon.config import ServeConfig, live_changes
 from planaria.daemon.ep_supervisor import POLL_S as EP_POLL_S, EPSupervisor
-from planaria.daemon.hang_detector import HangDetector
+from planaria.daemon.hang_detector import HangDetector, StoppedWatch
 from planaria.daemon.launch import FRONTEND_KEY, Launcher, engine_key
 from planaria.daemon.restart_policy import GiveUp, HoldOff, RestartAt, RestartNow
 from planaria.daemon.slot import AfterExit, ScaleOp, Slot, SlotState
 from planaria.daemon.standby_pool import StandbyPool
 
 EXIT_OK, EXIT_FAILURE = 0, 1
+STOPPED_POLL_S = 0.2  # how often engines are looked at for a job-control stop (stopped_timeout_s)
 EXIT_CONFIG = 2  # every engine was refused for its configuration: restarting cannot help
 
 
@@ -74,11 +77,23 @@ def _is_stopped(pid: int | None) -> bool:
         return False
 
 
+def _is_job_stopped(pid: int) -> bool:
+    """Stopped by job control (SIGSTOP/SIGTSTP: state T); a tracer's stop (a debugger at
+    its prompt, state t) is not: nobody kills a process being debugged for it."""
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_STOPPED
+    except psutil.Error:
+        return False
+
+
 class Supervisor:
     def __init__(self, config: ServeConfig, spawner: Spawner, clock: Callable[[], float], *,
                  launcher: Launcher | None = None, notifier: Notifier | None = None,
                  report_dead: Callable[[int, int | None, str], None] | None = None,
-                 report_cause: Callable[[int, int | None, str, str], None] | None = None) -> None:
+                 report_cause: Callable[[int, int | None, str, str], None] | None = None,
+                 is_job_stopped: Callable[[int], bool] = _is_job_stopped) -> None:
         self.config = config
         self.spawner = spawner
         self.clock = clock
@@ -88,6 +103,8 @@ class Supervisor:
         self.report_cause = report_cause or (lambda engine_id, pid, reason, cause: None)
         self.policy = config.restart_policy()
         self.hang = HangDetector(config.hang_timeout_s)
+        self.stopped = StoppedWatch(config.stopped_timeout_s)
+        self.is_job_stopped = is_job_stopped
         self.frontend = Slot(FRONTEND_KEY)
         self.engines: dict[int, Slot] = {i: Slot(engine_key(i)) for i in range(config.num_engines)}
         self.scale_op: ScaleOp | None = None
@@ -331,6 +348,7 @@ class Supervisor:
                 slot.kill_at = None
                 slot.child.send_signal(signal.SIGKILL)
         if not self.shutting_down:
+            self._kill_stopped(now)
             for engine_id in self.hang.check(now):
                 slot = self.engines.get(engine_id)
                 why = self.hang.why_hung(engine_id, now)
@@ -351,9 +369,29 @@ class Supervisor:
             times.append(now + self.config.hang_timeout_s / 4)
         if self.ep is not None:
             times.append(now + EP_POLL_S)
+        if self.config.stopped_timeout_s > 0 and any(s.child is not None for s in self.engines.values()):
+            times.append(now + min(STOPPED_POLL_S, self.config.stopped_timeout_s / 2))
         if self.standby is not None and not self.shutting_down:
             times.append(self.standby.tick(now))
         return min((t for t in times if t is not None), default=None)
+
+    def _kill_stopped(self, now: float) -> None:
+        """SIGKILL a serving engine stopped by job control for ``stopped_timeout_s``: it holds
+        its requests (and, in EP, its peers inside a collective) and cannot step."""
+        if self.config.stopped_timeout_s <= 0:
+            return
+        for slot in self.engines.values():
+            if slot.child is None or slot.state not in (SlotState.STARTING, SlotState.RUNNING):
+                continue
+            stopped_s = self.stopped.observe(slot.child.pid, self.is_job_stopped(slot.child.pid), now)
+            if stopped_s is None:
+                continue
+            self.stopped.forget(slot.child.pid)
+            self.hang.forget(slot.engine_id)
+            slot.kill_reason = f"frozen: stopped (SIGSTOP) for {stopped_s:.1f}s (limit {self.config.stopped_timeout_s:g}s)"
+            slot.killed_stopped = True
+            self._slot_log(slot).error("stopped; SIGKILL", reason=slot.kill_reason, stopped=True)
+            slot.child.send_signal(signal.SIGKILL)
 
     # -- systemd ------------------------------------------------------------------------
     def status_line(self) -> str:
@@ -423,6 +461,7 @@ class Supervisor:
             stable_s=self.config.stable_s, served_delay_s=self.config.served_restart_delay_s,
             served_max_restarts=self.config.served_restart_max)
         self.hang.hang_timeout_s = self.config.hang_timeout_s
+        self.stopped.timeout_s = self.config.stopped_timeout_s
         if self.ep is not None and "max_engines" in live:
             self.ep.reconfigure(self.config.max_engines)
         if "log_level" in live:

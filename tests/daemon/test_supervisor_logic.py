@@ -69,13 +69,18 @@ class FakeNotifier:
         self.lines.append("RELOADING=1")
 
 
-def make(num_engines=2, **flags):
+def make(num_engines=2, stopped_pids=None, **flags):
+    """``stopped_pids``: the pids the process-state probe finds stopped (SIGSTOP); the
+    stopped watch (and its 0.2 s poll) is on only where a test gives it a timeout."""
+    flags.setdefault("stopped_timeout_s", 0.0)
     cfg = config_mod.build({"model": "/m", "num_engines": num_engines, "state_dir": "/s",
                             "restart_backoff_s": 1.0, "hang_timeout_s": 5.0,
                             "stop_timeout_s": 10.0, "stable_s": 0.0, **flags}, environ={})
     spawner, clock, notifier, deaths = FakeSpawner(), Clock(), FakeNotifier(), []
+    stopped = stopped_pids if stopped_pids is not None else set()
     sup = Supervisor(cfg, spawner, clock, notifier=notifier,
-                     report_dead=lambda e, pid, reason: deaths.append((e, pid, reason)))
+                     report_dead=lambda e, pid, reason: deaths.append((e, pid, reason)),
+                     is_job_stopped=lambda pid: pid in stopped)
     sup.start()
     return sup, spawner, clock, notifier, deaths
 
@@ -492,7 +497,7 @@ def test_shutdown_sigterms_everyone_and_finishes_when_all_exited():
 def test_reload_applies_live_fields_and_reports_the_rest(tmp_path):
     sup, spawner, clock, notifier, _ = make()
     new = config_mod.build({"model": "/other", "num_engines": 2, "state_dir": "/s",
-                            "hang_timeout_s": 9.0, "restart_backoff_s": 0.5,
+                            "hang_timeout_s": 9.0, "restart_backoff_s": 0.5, "stopped_timeout_s": 0.0,
                             "stable_s": 0.0, "stop_timeout_s": 10.0}, environ={})
     result = sup.reload(new)
     assert result["applied"] == {"hang_timeout_s": 9.0, "restart_backoff_s": 0.5}
@@ -525,3 +530,47 @@ def test_env_file_layering(tmp_path):
         config_mod.reload(cfg, cli, environ={})
     with pytest.raises(config_mod.ConfigError):
         config_mod.build({"num_engines": 1}, environ={})
+
+
+def test_an_engine_stopped_by_sigstop_is_killed_without_waiting_for_the_hang_timeout():
+    """A SIGSTOPped engine holds its requests (and in EP its peers, inside a collective) and
+    can never step: killed once found stopped for stopped_timeout_s (0.5 s), not after the
+    hang timeout (here 5 s, 30 by default)."""
+    stopped: set[int] = set()
+    sup, spawner, clock, _notifier, deaths = make(stopped_pids=stopped, stopped_timeout_s=0.5)
+    beat(sup, 0, step=1, has_work=True)
+    beat(sup, 1, step=1, has_work=True)
+    e0 = engine_child(spawner, 0)
+    stopped.add(e0.pid)
+    next_at = sup.tick()
+    assert next_at <= clock() + 0.25  # looked at again within the poll period
+    clock.t += 0.3
+    sup.tick()
+    assert signal.SIGKILL not in e0.signals  # 0.3 s stopped: not yet
+    clock.t += 0.3
+    sup.tick()
+    assert e0.signals == [signal.SIGKILL]
+    assert "stopped (SIGSTOP)" in sup.engines[0].kill_reason and sup.engines[0].killed_stopped
+    die(sup, e0)
+    assert deaths[-1][0] == 0 and "stopped (SIGSTOP)" in deaths[-1][2]
+    assert signal.SIGKILL not in engine_child(spawner, 1).signals
+
+
+def test_a_stop_that_ends_in_time_or_the_watch_turned_off_kills_nothing():
+    stopped: set[int] = set()
+    sup, spawner, clock, _n, _d = make(stopped_pids=stopped, stopped_timeout_s=0.5)
+    e0 = engine_child(spawner, 0)
+    stopped.add(e0.pid)
+    sup.tick()
+    clock.t += 0.4
+    stopped.discard(e0.pid)  # SIGCONT in time
+    sup.tick()
+    stopped.add(e0.pid)
+    clock.t += 0.4
+    sup.tick()  # a new stop starts its own clock
+    assert not e0.signals
+    off, spawner2, clock2, _n2, _d2 = make(stopped_pids={c for c in range(1, 100)}, stopped_timeout_s=0)
+    for _ in range(5):
+        clock2.t += 1.0
+        off.tick()
+    assert not any(c.signals for c in spawner2.children)
