@@ -22,7 +22,9 @@ Applied as a transform (``apply_expert_parallel``): the model code only has a ho
 from __future__ import annotations
 
 import datetime
+import threading
 import time
+from typing import Callable
 
 import msgspec
 import torch
@@ -102,14 +104,51 @@ def arrived(store, epoch: int, ranks: list[int]) -> bool:
         raise CollectiveError(f"epoch {epoch}: cannot read arrivals: {exc}") from exc
 
 
-class EPGroup:
-    """The process group of one epoch (commit: every rank has arrived)."""
+FORM_POLL_S = 0.005  # how often a rank forming a group looks at whether to give it up
 
-    def __init__(self, spec: EPSpec, store=None, bind_host: str | None = None) -> None:
+
+class EPGroup:
+    """The process group of one epoch (commit: every rank has arrived).
+
+    Forming waits for every rank to connect, bounded by the collective timeout. A rank that
+    died after arriving never connects, so the wait is given up as soon as ``abandon()``
+    says so (the leader wrote a newer epoch: its re-form without the dead rank); the
+    constructor goes on in its thread until its own timeout and its result is dropped."""
+
+    def __init__(self, spec: EPSpec, store=None, bind_host: str | None = None,
+                 abandon: Callable[[], bool] | None = None) -> None:
         self.spec = spec
         self.rank, self.world_size = spec.rank, spec.world_size
         host, _port = _split(spec.rendezvous)
+        if abandon is not None:  # the forming thread may outlive this call: a client of its own
+            store = None
         self._store = store if store is not None else connect_store(spec.rendezvous, spec.timeout_s)
+        if spec.backend not in ("gloo", "nccl"):
+            raise ElasticError(f"unknown EP backend {spec.backend!r}")
+        device = (bind_host or _local_ip(host)) if spec.backend == "gloo" else None
+        if abandon is None:
+            self.pg = self._make_pg(device)
+            return
+        result: dict = {}
+
+        def form() -> None:
+            try:
+                result["pg"] = self._make_pg(device)
+            except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
+                result["error"] = exc
+
+        thread = threading.Thread(target=form, name=f"form-epoch{spec.epoch}", daemon=True)
+        thread.start()
+        while thread.is_alive():
+            thread.join(FORM_POLL_S)
+            if thread.is_alive() and abandon():
+                raise CollectiveError(f"epoch {spec.epoch}: forming given up: a newer epoch was written")
+        if "error" in result:
+            raise result["error"]
+        self.pg = result["pg"]
+
+    def _make_pg(self, device: str | None):
+        spec = self.spec
         try:
             # Every rank has arrived: forming is bounded by the collective timeout.
             self._store.set_timeout(datetime.timedelta(seconds=spec.timeout_s))
@@ -118,14 +157,11 @@ class EPGroup:
             if spec.backend == "gloo":
                 opts = dist.ProcessGroupGloo._Options()
                 opts._timeout = timeout
-                opts._devices = [dist.ProcessGroupGloo.create_device(hostname=bind_host or _local_ip(host))]
-                self.pg = dist.ProcessGroupGloo(prefix, spec.rank, spec.world_size, opts)
-            elif spec.backend == "nccl":
-                opts = dist.ProcessGroupNCCL.Options()
-                opts._timeout = timeout
-                self.pg = dist.ProcessGroupNCCL(prefix, spec.rank, spec.world_size, opts)
-            else:
-                raise ElasticError(f"unknown EP backend {spec.backend!r}")
+                opts._devices = [dist.ProcessGroupGloo.create_device(hostname=device)]
+                return dist.ProcessGroupGloo(prefix, spec.rank, spec.world_size, opts)
+            opts = dist.ProcessGroupNCCL.Options()
+            opts._timeout = timeout
+            return dist.ProcessGroupNCCL(prefix, spec.rank, spec.world_size, opts)
         except (RuntimeError, dist.DistError) as exc:
             raise CollectiveError(f"epoch {spec.epoch}: cannot form the group: {exc}") from exc
 

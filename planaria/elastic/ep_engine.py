@@ -1,24 +1,27 @@
 """An EngineCore made expert-parallel, and the lockstep step of one EP rank.
 
 Every rank of an epoch runs the same sequence of steps: each step begins with one small
-all-reduce that tells every rank whether any rank has work and which epoch each rank is
-ready to move to; then every rank runs one forward (a dummy over zero tokens when it has
-nothing of its own), so the MoE collectives of all ranks line up.
+all-reduce that tells every rank whether any rank has work, whether every rank is leaving,
+and which epoch each rank votes to move to; then every rank runs one forward (a dummy over
+zero tokens when it has nothing of its own), so the MoE collectives of all ranks line up.
 
 A switch to a newer epoch is prepare -> commit (elastic/ep.py): a rank of the current
-group counts a pending epoch as *ready* only once every rank joining it (a rank not in the
-current group) has arrived in the store, so the current group goes on serving while the
-joiners get there; all ranks of the group switch at the same step boundary once all are
-ready (the sync's min == max). A joiner that never arrives stalls nothing: the leader
-aborts the switch with a newer epoch. The same all-reduce lets a whole group leave
-together (every rank draining, no work anywhere), so no rank ever exits while its peers
-are inside a collective with it.
+group votes for a pending epoch only once every rank joining it (a rank not in the current
+group) has arrived in the store, so the current group goes on serving while the joiners
+get there. The group moves at the step where every rank that *continues* in the new epoch
+voted for it (``sync_verdict``; a second one-flag all-reduce spreads that verdict to all):
+the ranks it leaves out go at that boundary, whether they saw the epoch (they leave, their
+requests move to survivors) or not (a node cut off from etcd: its ranks see the group move
+on and drop out of it). A joiner that never arrives stalls nothing: the leader aborts the
+switch with a newer epoch. The same all-reduce lets a whole group leave together (every
+rank draining, no work anywhere), so no rank ever exits while its peers are inside a
+collective with it.
 """
 
 from __future__ import annotations
 
 import time
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -28,8 +31,20 @@ from planaria.elastic.ep import (CollectiveError, EPGroup, EPSpec, ExpertParalle
 
 class SyncResult(NamedTuple):
     any_work: bool  # some rank has work: every rank runs a forward (a dummy without work)
-    switch: bool  # every rank is ready for the same newer epoch: switch now
+    switch_to: int | None  # the group moves to this epoch now (ranks it does not name leave)
     exit: bool  # every rank is leaving and none has work: leave together now
+
+
+def sync_verdict(current_ranks: list[str], new_ranks: list[str], votes: list[int], newest: int) -> bool:
+    """Whether the group moves to epoch ``newest`` now: every rank of the current group
+    that continues in it (``new_ranks`` names it) voted for it. A rank that leaves need not
+    have seen it: a node cut off from etcd never learns the epoch that drops its ranks, and
+    the rest of the group must not wait on it; it sees the group move on and drops out.
+    Engine ids unknown (``current_ranks`` empty): every rank must have voted for it."""
+    if not current_ranks:
+        return all(v == newest for v in votes)
+    staying = set(new_ranks)
+    return all(v == newest for eid, v in zip(current_ranks, votes) if eid in staying)
 
 
 class EPRank:
@@ -82,28 +97,38 @@ class EPRank:
             time.sleep(0.005)
         self.commit(spec)
 
-    def commit(self, spec: EPSpec) -> None:
-        """Build ``spec``'s group (every rank has arrived) and route the MoE layers through it."""
+    def commit(self, spec: EPSpec, abandon: Callable[[], bool] | None = None) -> None:
+        """Build ``spec``'s group (every rank has arrived) and route the MoE layers through it;
+        ``abandon()`` true gives the forming up (CollectiveError): a newer epoch was written."""
         t0 = time.monotonic()
-        self.group = EPGroup(spec, self.store(spec.rendezvous), bind_host=self.bind_host)
+        self.group = EPGroup(spec, self.store(spec.rendezvous), bind_host=self.bind_host, abandon=abandon)
         self.spec = spec
         apply_expert_parallel(self.core.runner.model, ExpertParallel(self.group, spec.expert_map))
         self.switch_times_s["form_group_s"] = time.monotonic() - t0
 
-    def sync(self, has_work: bool, pending: int | None = None, leaving: bool = False) -> SyncResult:
-        """The small all-reduce that opens every lockstep step.
+    def sync(self, has_work: bool, pending: EPSpec | None = None, leaving: bool = False) -> SyncResult:
+        """The small all-reduce that opens every lockstep step; every rank gets the same
+        answer (``sync_verdict``).
 
         ``pending``: the newer epoch this rank may switch to now (its joiners arrived);
-        ``leaving``: this rank is draining. Every rank gets the same answer: any rank has
-        work; every rank is ready for the same newer epoch (switch); every rank is leaving
-        and none has work (exit together)."""
-        p = self.spec.epoch if pending is None else pending
-        t = torch.tensor([int(has_work), p, -p, -int(leaving)], dtype=torch.long)
+        ``leaving``: this rank is draining. Round 1 gathers, per rank, its work, whether it
+        is leaving and the epoch it votes for. Only when some rank votes for a newer epoch,
+        a round 2 (one more flag) spreads the verdict of the ranks that know that epoch:
+        every rank that continues in it voted for it."""
+        w = self.spec.world_size
+        t = torch.zeros(2 + w, dtype=torch.long)
+        t[0], t[1] = int(has_work), int(not leaving)
+        t[2 + self.spec.rank] = pending.epoch if pending is not None else self.spec.epoch
         self.group.all_reduce_max(t)
-        any_work = bool(t[0])
-        max_pending, min_pending, all_leaving = int(t[1]), -int(t[2]), -int(t[3]) == 1
-        switch = max_pending > self.spec.epoch and min_pending == max_pending
-        return SyncResult(any_work, switch, all_leaving and not any_work and not switch)
+        votes = [int(v) for v in t[2:]]
+        newest = max(votes)
+        if newest <= self.spec.epoch:
+            return SyncResult(bool(t[0]), None, not bool(t[1]) and not bool(t[0]))
+        knows = pending is not None and pending.epoch == newest
+        verdict = torch.tensor([int(knows and sync_verdict(self.spec.ranks, pending.ranks, votes, newest))],
+                               dtype=torch.long)
+        self.group.all_reduce_max(verdict)
+        return SyncResult(bool(t[0]), newest if verdict[0] else None, False)
 
     def leave(self) -> None:
         """Drop the current group (the MoE layers go back to local)."""
@@ -112,10 +137,11 @@ class EPRank:
             self.group = None
         apply_expert_parallel(self.core.runner.model, None)
 
-    def switch(self, new: EPSpec) -> bool:
+    def switch(self, new: EPSpec, abandon: Callable[[], bool] | None = None) -> bool:
         """Move to ``new``: leave the old group, re-home experts, arrive, build the new
         group. Returns False when this rank is not part of the new epoch (it should leave).
-        Raises CollectiveError when the new group cannot form."""
+        Raises CollectiveError when the new group cannot form (or ``abandon()`` says to
+        give it up)."""
         t0 = time.monotonic()
         self.leave()
         if new.rank < 0:
@@ -127,7 +153,7 @@ class EPRank:
             self.core.runner.reload_experts(new_range)
         t2 = time.monotonic()
         self.arrive(new)
-        self.commit(new)
+        self.commit(new, abandon)
         self.switch_times_s.update(rehome_s=t2 - t1, total_s=time.monotonic() - t0)
         return True
 

@@ -218,11 +218,14 @@ class EPEngineCoreProc(EngineCoreProc):
         rank, number = self.rank, self.rank.current.number
         has_work = self.lifecycle.can_step and self.core.has_unfinished_requests()
         try:
-            pending = rank.pending
-            ready = pending is not None and self._joiners_arrived(self._spec_for(pending))
-            result = self.ep.sync(has_work, pending.number if ready else None, leaving=rank.leaving)
-            if result.switch:
+            pending = self._spec_for(rank.pending) if rank.pending is not None else None
+            ready = pending is not None and self._joiners_arrived(pending)
+            result = self.ep.sync(has_work, pending if ready else None, leaving=rank.leaving)
+            if result.switch_to is not None and rank.pending_number == result.switch_to:
                 self._act(rank.switch_agreed())
+            elif result.switch_to is not None:  # an epoch this rank has not seen leaves it out
+                self._group_failed(number, CollectiveError(
+                    f"the group moved on to epoch {result.switch_to}, which this rank has not seen"))
             elif result.exit:
                 self._act(rank.exit_agreed())
             elif result.any_work:
@@ -302,8 +305,9 @@ class EPEngineCoreProc(EngineCoreProc):
         t0 = time.monotonic()
         spec = self._spec_for(epoch)
         self._forming = True
+        newer = lambda: (self.rank.latest or epoch).number > epoch.number  # noqa: E731 - a dead rank's re-form
         try:
-            self.ep.switch(spec)
+            self.ep.switch(spec, abandon=newer)
         except Exception as exc:  # noqa: BLE001 - a failed switch never kills the rank
             self._group_failed(epoch.number, exc)
             return

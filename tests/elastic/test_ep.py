@@ -69,8 +69,8 @@ def _rank_main(rank, model, world_sizes, port, result_q):
         ep.form()
     pending = None
     while True:
-        any_work, switch, _exit = ep.sync(core.has_unfinished_requests(), pending.epoch if pending else None)
-        if switch:
+        any_work, switch_to, _exit = ep.sync(core.has_unfinished_requests(), pending)
+        if switch_to is not None:
             if not ep.switch(pending):
                 break  # left the group (scale-down); its requests were finished already
             pending = None

@@ -197,3 +197,23 @@ def test_offer_keeps_only_the_newest():
     assert r.offer(epoch(3, ME))
     assert not r.offer(epoch(2, ME)) and not r.offer(epoch(3, ME))
     assert r.latest.number == 3
+
+
+# -- the group's switch verdict (elastic/ep_engine.py sync_verdict) ---------------------------
+
+from planaria.elastic.ep_engine import sync_verdict  # noqa: E402 - the table below is its own
+
+VERDICTS = [
+    ("every rank voted for it", ["a", "b", "c"], ["a", "b", "c", "d"], [5, 5, 5], 5, True),
+    ("a continuing rank did not vote", ["a", "b", "c"], ["a", "b", "c", "d"], [5, 4, 5], 5, False),
+    ("a leaving rank that never saw it does not hold the group", ["a", "b", "c"], ["a", "b"], [5, 5, 4], 5, True),
+    ("a leaving rank's vote is not needed either way", ["a", "b", "c"], ["a", "b"], [5, 5, 5], 5, True),
+    ("the only rank left voted", ["a", "b"], ["b"], [4, 5], 5, True),
+    ("engine ids unknown: all must vote", [], [], [5, 4], 5, False),
+    ("engine ids unknown, all voted", [], [], [5, 5], 5, True),
+]
+
+
+@pytest.mark.parametrize("name,current,new,votes,newest,want", VERDICTS, ids=[v[0] for v in VERDICTS])
+def test_sync_verdict(name, current, new, votes, newest, want):
+    assert sync_verdict(current, new, votes, newest) is want
