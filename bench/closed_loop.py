@@ -47,6 +47,8 @@ class ClosedLoopLoad:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="closed-loop-load", daemon=True)
         self._error: BaseException | None = None
+        self._live: dict[int, LoadRecord] = {}  # requests in flight (ended_at 0.0, chunk times so far)
+        self._live_ids = 0
 
     def start(self) -> "ClosedLoopLoad":
         self._thread.start()
@@ -98,16 +100,28 @@ class ClosedLoopLoad:
         async with aiohttp.ClientSession(timeout=timeout) as session:
             await asyncio.gather(*(self._stream(session) for _ in range(self.num_streams)))
 
+    def in_flight(self) -> list[LoadRecord]:
+        """The requests in flight now (``ended_at`` 0.0; ``result["chunk_times"]`` so far)."""
+        with self._lock:
+            return [LoadRecord(r.body_index, r.started_at, 0.0, {"chunk_times": list(r.result["chunk_times"])})
+                    for r in self._live.values()]
+
     async def _stream(self, session: aiohttp.ClientSession) -> None:
         while not self._stop.is_set():
             i = self._take()
             t0 = time.time()
+            times: list[float] = []
+            with self._lock:
+                self._live_ids += 1
+                key = self._live_ids
+                self._live[key] = LoadRecord(i, t0, 0.0, {"chunk_times": times})
             try:
-                result = await stream_completion(session, self.base_url, self.bodies[i])
+                result = await stream_completion(session, self.base_url, self.bodies[i], chunk_times=times)
             except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
                 result = {"text": "", "finish_reason": None, "error": f"{type(exc).__name__}: {exc}",
-                          "status": 0}
+                          "status": 0, "chunk_times": times}
             with self._lock:
+                del self._live[key]
                 self.records.append(LoadRecord(i, t0, time.time(), result))
 
 

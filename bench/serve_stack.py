@@ -82,7 +82,10 @@ class _Loop:
 class ServeStack:
     def __init__(self, root: str | os.PathLike, num_engines: int = 2, hang_timeout_s: float = 1.0,
                  engine_config: dict | None = None, model: str | None = None,
-                 serve_args: tuple[str, ...] = ()) -> None:
+                 serve_args: tuple[str, ...] = (), threads: int | None = 1,
+                 env: dict[str, str] | None = None) -> None:
+        """``threads``: OMP_NUM_THREADS of every process (None: torch's default, as `make
+        serve` runs); ``env``: more environment for the daemon and its children."""
         from planaria.engine.demo_model import build_demo_model
 
         self.root = Path(root)
@@ -99,8 +102,10 @@ class ServeStack:
         self.base = f"http://127.0.0.1:{self.port}"
         self.log_path = self.root / "serve.log"
         self.env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-                        OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", PLANARIA_FAULT_INJECTION="1",
-                        PLANARIA_LOG_FORMAT="json")
+                        HF_HUB_OFFLINE="1", PLANARIA_FAULT_INJECTION="1", PLANARIA_LOG_FORMAT="json",
+                        **(env or {}))
+        if threads is not None:
+            self.env["OMP_NUM_THREADS"] = str(threads)
         self.proc: subprocess.Popen | None = None
         self.injector = None
         self._loop: _Loop | None = None

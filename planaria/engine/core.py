@@ -3,6 +3,7 @@ or by the offline LLM API (engine/llm.py)."""
 
 from __future__ import annotations
 
+import os
 import queue
 import time
 from collections import deque
@@ -10,7 +11,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import structlog
 
-from planaria.engine import prompt_logprobs
+from planaria.engine import envs, prompt_logprobs
 from planaria.engine.config import EngineConfig
 from planaria.engine.core_protocol import EngineCoreProtocol
 from planaria.engine.errors import (EngineError, InvalidRequestError, KVCacheTooSmallError, WeightLoadError,
@@ -124,6 +125,7 @@ class EngineCore:
         self.aborts_queue: queue.SimpleQueue[list[Request]] = queue.SimpleQueue()
         self._pending_outputs: list[EngineCoreOutput] = []
         self.step_counter = 0
+        self._poison = envs.get().poison_tokens  # fault injection only (bench/mttr.py)
         self._inflight: SchedulerOutput | None = None
         self.batch_queue: deque[tuple[Future, SchedulerOutput]] = deque()
         self._executor = (ThreadPoolExecutor(1, thread_name_prefix="model-exec")
@@ -299,6 +301,8 @@ class EngineCore:
     def _execute_guarded(self, sched: SchedulerOutput):
         from planaria.engine.errors import RequestExecutionError
 
+        if self._poison:
+            self._die_on_poison(sched)
         try:
             return self.runner.execute(sched)
         except RequestExecutionError as exc:
@@ -309,6 +313,16 @@ class EngineCore:
             raise
         finally:
             self.step_counter += 1
+
+    def _die_on_poison(self, sched: SchedulerOutput) -> None:
+        """Fault injection only (envs.POISON_TOKENS): the first chunk of a prompt holding the
+        poison tokens ends the process at once, as a native crash would (no death report)."""
+        k = len(self._poison)
+        for sr in sched.scheduled:
+            ids = sr.req.prompt_token_ids
+            if sr.start_pos == 0 and any(tuple(ids[i:i + k]) == self._poison for i in range(len(ids) - k + 1)):
+                log.error("fault injection: poison request; dying", request_id=sr.req.request_id)
+                os._exit(139)
 
     def _update(self, sched: SchedulerOutput, result) -> list[EngineCoreOutput]:
         from planaria.engine.errors import RequestExecutionError
