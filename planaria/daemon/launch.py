@@ -130,6 +130,7 @@ class Launcher:
                     "drain_timeout_s": self.drain_timeout_s(),
                     "heartbeat_address": heartbeat_address(cfg),
                     "heartbeat_interval_s": cfg.heartbeat_interval_s,
+                    "flight_record_path": self.flight_record_path(engine_id),
                     "log_level": cfg.log_level}
         argv = [self.python, "-m", "planaria.engine.proc", "--engine-index", str(engine_id),
                 "--input-addr", frontend_addresses(cfg)[0],
@@ -147,6 +148,10 @@ class Launcher:
         return ChildSpec(key=key, argv=argv, env=self._env(PLANARIA_ENGINE_ID=str(engine_id), **etcd_env,
                                                            **self.curve_env),
                          log_path=str(log_path(cfg, key)), cwd=cfg.state_dir)
+
+    def flight_record_path(self, engine_id: int) -> str:
+        """Where engine ``engine_id`` writes its flight record (engine/flight_record.py)."""
+        return str(Path(self.config.runtime_dir) / f"engine-{engine_id}.flight")
 
     @functools.cached_property
     def curve_env(self) -> dict[str, str]:

@@ -48,14 +48,16 @@ class DeathReporter:
         self._sock.setsockopt(zmq.SNDHWM, 64)
         self._sock.connect(address)
 
-    def __call__(self, engine_id: int, pid: int | None, reason: str, cause: str = "") -> bool:
+    def __call__(self, engine_id: int, pid: int | None, reason: str, cause: str = "",
+                 suspects: list[str] | tuple = ()) -> bool:
         from planaria.engine.wire import EngineDead, MsgType
 
         frames = self._enc.encode(MsgType.ENGINE_CORE_DEAD,
                                   EngineDead(engine_index=engine_id, reason=reason, pid=pid,
                                              # when we saw it die: a frontend does not count
                                              # the death against requests sent after it
-                                             fault_monotonic_s=time.monotonic(), cause=cause))
+                                             fault_monotonic_s=time.monotonic(), cause=cause,
+                                             suspects=list(suspects)))
         try:
             self._sock.send_multipart(frames, zmq.NOBLOCK)
         except zmq.Again:
@@ -63,7 +65,8 @@ class DeathReporter:
                         engine_id=engine_id, pid=pid)
             return False
         log.info("reported engine death to the frontend", engine_id=engine_id, pid=pid,
-                 reason=reason, sent_at=time.time(), **({"cause": cause} if cause else {}))
+                 reason=reason, sent_at=time.time(), **({"cause": cause} if cause else {}),
+                 **({"suspects": list(suspects)} if suspects else {}))
         return True
 
     def close(self) -> None:

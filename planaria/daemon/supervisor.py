@@ -28,6 +28,7 @@ from __future__ import annotations
 import itertools
 import logging
 import signal
+from pathlib import Path
 from typing import Any, Callable, Protocol
 
 from planaria.common.errors import (BadArgumentError, ConflictError, UnavailableError,
@@ -91,16 +92,18 @@ def _is_job_stopped(pid: int) -> bool:
 class Supervisor:
     def __init__(self, config: ServeConfig, spawner: Spawner, clock: Callable[[], float], *,
                  launcher: Launcher | None = None, notifier: Notifier | None = None,
-                 report_dead: Callable[[int, int | None, str], None] | None = None,
-                 report_cause: Callable[[int, int | None, str, str], None] | None = None,
+                 report_dead: Callable[..., None] | None = None,
+                 report_cause: Callable[..., None] | None = None,
                  is_job_stopped: Callable[[int], bool] = _is_job_stopped) -> None:
         self.config = config
         self.spawner = spawner
         self.clock = clock
         self.launcher = launcher or Launcher(config)
         self.notifier = notifier or _NullNotifier()
-        self.report_dead = report_dead or (lambda engine_id, pid, reason: None)
-        self.report_cause = report_cause or (lambda engine_id, pid, reason, cause: None)
+        # report_dead(engine_id, pid, reason, suspects=[...]) and report_cause(engine_id, pid,
+        # reason, cause, suspects=[...]): ENGINE_CORE_DEAD to the frontend (daemon/loop.py)
+        self.report_dead = report_dead or (lambda engine_id, pid, reason, suspects=(): None)
+        self.report_cause = report_cause or (lambda engine_id, pid, reason, cause, suspects=(): None)
         self.policy = config.restart_policy()
         self.hang = HangDetector(config.hang_timeout_s)
         self.stopped = StoppedWatch(config.stopped_timeout_s)
@@ -195,7 +198,9 @@ class Supervisor:
             if not slot.death_reported:
                 self._report_dead(slot, reason)
             if self._frontend_up():  # what ended it, for the frontend's poison quarantine
-                self.report_cause(slot.engine_id, child.pid, reason, self._cause(slot, code))
+                self.report_cause(slot.engine_id, child.pid, reason, self._cause(slot, code),
+                                  suspects=self._suspects(slot))
+            Path(self.launcher.flight_record_path(slot.engine_id)).unlink(missing_ok=True)
             self.hang.forget(slot.engine_id)
             if self.ep is not None:
                 self.ep.forget_engine(slot.engine_id, child.pid)
@@ -244,9 +249,15 @@ class Supervisor:
             return
         self._report_dead(slot, slot.kill_reason or "the engine process is exiting (its threads ended)")
 
+    def _suspects(self, slot: Slot) -> list[str]:
+        """The requests in their first step when the engine died (its flight record)."""
+        from planaria.engine.flight_record import read_suspects
+
+        return read_suspects(self.launcher.flight_record_path(slot.engine_id)) or []
+
     def _report_dead(self, slot: Slot, reason: str) -> None:
         if self._frontend_up():
-            self.report_dead(slot.engine_id, slot.pid, reason)
+            self.report_dead(slot.engine_id, slot.pid, reason, suspects=self._suspects(slot))
             self.num_deaths_reported += 1
         slot.death_reported = True
 

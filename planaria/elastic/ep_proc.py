@@ -171,6 +171,7 @@ class EPEngineCoreProc(EngineCoreProc):
         self.timings["load_begin_at"] = time.time()
         self.core = make_ep_core(self.config, spec)
         self._dtype_text = self.core.dtype_text
+        self._record_flights()
         self.ep = EPRank(self.core, msgspec.structs.replace(spec, epoch=-1), bind_host=self.bind_host)
         self.timings["load_s"] = time.monotonic() - t0
         if envs.get().gc_freeze:  # now, not between joining the group and READY (0.1-0.2 s)

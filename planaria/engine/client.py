@@ -69,6 +69,7 @@ class EngineInfoState(StrEnum):
     UNREACHABLE = "unreachable"
 
 
+MAX_SUSPECTS = 256  # request ids of one death report kept (a flight record holds fewer)
 _REACHABLE = (EngineInfoState.RUNNING, EngineInfoState.PAUSED, EngineInfoState.DRAINING)
 _NO_CALLS = (EngineInfoState.DEAD, EngineInfoState.STOPPED, EngineInfoState.REFUSED, EngineInfoState.CONNECTING)
 _GONE = (EngineInfoState.STOPPED, EngineInfoState.DEAD)
@@ -145,6 +146,8 @@ class EngineClient:
         # pid -> what ended that engine process ("external" | "fault"), from the
         # supervisor's notice after it reaped it (bounded: the newest 4096 pids)
         self.death_causes: dict[int, str] = {}
+        # engine pid -> the requests in their first step when it died (EngineDead.suspects)
+        self.death_suspects: dict[int, list[str]] = {}
         self._streams: dict[str, _Stream] = {}
         self._groups: dict[str, list[int]] = {}  # group_id -> [engine index, open streams]
         self._calls: dict[int, tuple[int, asyncio.Future]] = {}
@@ -388,13 +391,18 @@ class EngineClient:
         return self._send(engine_index, MsgType.SHUTDOWN, Shutdown(drain_timeout_s=drain_timeout_s))
 
     def mark_engine_dead(self, engine_index: int, reason: str, pid: int | None = None,
-                         fault_monotonic_s: float | None = None, cause: str = "") -> None:
+                         fault_monotonic_s: float | None = None, cause: str = "",
+                         suspects: list[str] | None = None) -> None:
         """The supervisor's report (call on the client's event loop): fail the engine's work.
 
         With ``pid``, a report about an older incarnation than the one connected is ignored.
         ``fault_monotonic_s``: when the engine hit the fault (its own ENGINE_CORE_DEAD).
         """
         info = self._engines.get(engine_index)
+        if suspects and pid is not None:
+            self.death_suspects[pid] = list(suspects)[:MAX_SUSPECTS]
+            while len(self.death_suspects) > 4096:
+                self.death_suspects.pop(next(iter(self.death_suspects)))
         if cause and pid is not None:
             self.death_causes[pid] = cause
             while len(self.death_causes) > 4096:
@@ -543,7 +551,8 @@ class EngineClient:
                     entry[1].set_exception(UtilityCallError(msg.error or "utility call failed",
                                                             UtilityErrorCode.of(msg.code)))
         elif msg_type == MsgType.ENGINE_CORE_DEAD:
-            self.mark_engine_dead(msg.engine_index, msg.reason, msg.pid, msg.fault_monotonic_s, msg.cause)
+            self.mark_engine_dead(msg.engine_index, msg.reason, msg.pid, msg.fault_monotonic_s, msg.cause,
+                                  msg.suspects)
         elif msg_type == MsgType.STATUS:
             self._on_status(msg)
         elif msg_type == MsgType.ERROR:

@@ -126,6 +126,7 @@ class EngineCore:
         self._pending_outputs: list[EngineCoreOutput] = []
         self.step_counter = 0
         self._poison = envs.get().poison_tokens  # fault injection only (bench/mttr.py)
+        self._flight = None  # engine.flight_record.FlightRecorder (record_flights_to)
         self._inflight: SchedulerOutput | None = None
         self.batch_queue: deque[tuple[Future, SchedulerOutput]] = deque()
         self._executor = (ThreadPoolExecutor(1, thread_name_prefix="model-exec")
@@ -262,6 +263,11 @@ class EngineCore:
         self._inflight = None
         self.batch_queue.clear()
 
+    def record_flights_to(self, recorder) -> None:
+        """Before each forward, write the requests taking their first step to ``recorder``
+        (engine/flight_record.py: a crash is pinned on them)."""
+        self._flight = recorder
+
     def inject_step_fault(self, kind: str) -> None:
         """Chaos tests: the next forward raises ("fatal"), or fails its first request ("request")."""
         self.runner.fault_next_step = kind
@@ -301,6 +307,8 @@ class EngineCore:
     def _execute_guarded(self, sched: SchedulerOutput):
         from planaria.engine.errors import RequestExecutionError
 
+        if self._flight is not None:  # which requests a crash in this forward would be pinned on
+            self._flight.record(self.step_counter, [sr.req.request_id for sr in sched.scheduled if _first_step(sr)])
         if self._poison:
             self._die_on_poison(sched)
         try:
@@ -501,4 +509,12 @@ def create_engine_core(config: EngineConfig, expert_range=None, progress=None) -
     return EngineCore(config, expert_range, progress)
 
 
+def _first_step(sr) -> bool:
+    """The request's first chunk (after its prefix-cache hit), never run before: not a
+    decode, not a later chunk, not the recompute of a preempted request."""
+    req = sr.req
+    return sr.start_pos == req.num_cached_tokens and not req.output_token_ids and not req.num_preemptions
+
+
 __all__ = ["EngineCore", "EngineError", "create_engine_core"]
+

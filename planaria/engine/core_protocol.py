@@ -65,6 +65,11 @@ class EngineCoreProtocol(Protocol):
         flight, so its requests can go on ("resume") or be dropped ("reset")."""
         ...
 
+    def record_flights_to(self, recorder) -> None:
+        """Before each forward, write the requests taking their first step to ``recorder``
+        (engine/flight_record.py)."""
+        ...
+
     def inject_step_fault(self, kind: str) -> None:
         """Chaos tests: the next step raises, "fatal" (engine-level) or "request" (pinned)."""
         ...

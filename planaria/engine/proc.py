@@ -82,6 +82,7 @@ class ProcSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     log_level: str = "INFO"
     heartbeat_address: str | None = None  # the supervisor's PULL (engine/heartbeat.py)
     heartbeat_interval_s: float = 0.5
+    flight_record_path: str | None = None  # engine/flight_record.py: the supervisor reads it when we die
 
 
 class EngineCoreProc:
@@ -193,6 +194,14 @@ class EngineCoreProc:
             self._core_factory = create_engine_core
         self.core = self._core_factory(self.config)
         self._dtype_text = self.core.dtype_text
+        self._record_flights()
+
+    def _record_flights(self) -> None:
+        """Write the flight record where the supervisor looks for it (none when not told)."""
+        if self.settings.flight_record_path:
+            from planaria.engine.flight_record import FlightRecorder
+
+            self.core.record_flights_to(FlightRecorder(self.settings.flight_record_path))
 
     def _ready(self) -> Ready:
         core = self.core

@@ -163,6 +163,10 @@ class EngineDead(msgspec.Struct, kw_only=True, omit_defaults=True):
     # the watchdog killed), "fault" (an exit code, a crash signal, a step that hung while
     # running), "" not known yet. The poison quarantine counts only faults.
     cause: str = ""
+    # the engine request ids that took their first step in the batch it died in (its
+    # flight record, engine/flight_record.py), when the supervisor could read it: a crash
+    # is pinned on them, not on requests that had been running there
+    suspects: list[str] = []
 
 
 class EngineStatus(msgspec.Struct, kw_only=True, omit_defaults=True):

@@ -36,11 +36,12 @@ from planaria.engine.messages import EngineCoreOutput, EngineCoreRequest, Logpro
 from planaria.engine.sampling_params import SamplingParams
 from planaria.frontend.errors import (EngineRequestError, FrontendError, RequestError, ServiceUnavailableError,
                                       TooManyRequestsError)
-from planaria.frontend.journal import FailRequest, RequestJournal
+from planaria.frontend.journal import FailRequest, Hold, RequestJournal
 
 log = logging.getLogger(__name__)
 
 DEFAULT_REPLAY_WAIT_S = 30.0
+HOLD_POLL_S = 0.02  # a request held for its death's cause asks the journal again this often
 
 # make_detokenizer(prompt_token_ids, params) -> an object with update(ids) -> stop str | None,
 # get_delta_text() -> str, flush() (see engine/detokenizer.py)
@@ -81,7 +82,8 @@ class Generator:
         self._metrics = metrics
         self._clock = clock
         self.journal = journal if journal is not None else RequestJournal(
-            clock=clock, cause_of=getattr(client, "death_causes", {}).get)  # pid -> cause
+            clock=clock, cause_of=getattr(client, "death_causes", {}).get,  # pid -> cause
+            suspects_of=getattr(client, "death_suspects", {}).get)  # pid -> flight record
         self.replay_wait_s = replay_wait_s
         listeners = getattr(client, "loss_listeners", None)
         if listeners is not None:  # the death notice's own time starts the replay clock
@@ -137,6 +139,9 @@ class Generator:
                             code="no_engine_available") from exc
                 except EngineFaultError as exc:
                     action = journal.decide(rid)
+                    while isinstance(action, Hold):  # pinned by the flight record: wait for the cause
+                        await asyncio.sleep(HOLD_POLL_S)
+                        action = journal.decide(rid)
                     if isinstance(action, FailRequest):
                         self._error(action.code)
                         raise ServiceUnavailableError(f"the engine serving this request failed: {exc}; "

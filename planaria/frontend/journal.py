@@ -63,6 +63,9 @@ DEFAULT_QUARANTINE_AFTER = 2  # engines that died with the request in flight
 # on a loaded host) after the death itself: a death seen less than this after the send,
 # with no token from that engine, is taken as from before the send.
 DEATH_TIME_SLACK_S = 0.25
+# A request the dead engine's flight record pins the crash on waits this long at most for
+# the cause of the death (a crash counts, a kill from outside does not) before it is decided.
+HOLD_FOR_CAUSE_S = 2.0
 REPLAY_ID_SEP = "~r"
 
 
@@ -100,6 +103,14 @@ class Replay:
 
 
 @dataclass(frozen=True)
+class Hold:
+    """Ask again shortly (``until_s``, journal clock, at the latest): the dead engine's flight
+    record pins the death on this request, and what ended the engine is not known yet."""
+
+    until_s: float
+
+
+@dataclass(frozen=True)
 class FailRequest:
     """Do not replay: the request ends with an explicit error (``code`` for the metrics)."""
 
@@ -111,7 +122,8 @@ class RequestJournal:
     def __init__(self, max_replays: int = DEFAULT_MAX_REPLAYS,
                  clock: Callable[[], float] = time.monotonic,
                  quarantine_after: int = DEFAULT_QUARANTINE_AFTER,
-                 cause_of: Callable[[int], str | None] = lambda pid: None) -> None:
+                 cause_of: Callable[[int], str | None] = lambda pid: None,
+                 suspects_of: Callable[[int], list[str] | None] = lambda pid: None) -> None:
         if max_replays < 0:
             raise ValueError(f"max_replays must be >= 0, got {max_replays}")
         if quarantine_after < 0:
@@ -119,6 +131,7 @@ class RequestJournal:
         self.max_replays = max_replays
         self.quarantine_after = quarantine_after
         self._cause_of = cause_of  # engine pid -> "external" | "fault" | None (not known)
+        self._suspects_of = suspects_of  # engine pid -> its flight record's first-step requests
         self._clock = clock
         self._entries: dict[str, JournalEntry] = {}
         self.num_replays_total = 0
@@ -223,19 +236,32 @@ class RequestJournal:
         return (entry.tokens_since_sent == 0
                 and entry.died_monotonic_s - entry.sent_monotonic_s < DEATH_TIME_SLACK_S)
 
-    def decide(self, request_id: str) -> Replay | FailRequest:
-        """Call once per loss of the request's current incarnation (its engine died)."""
+    def decide(self, request_id: str) -> Replay | FailRequest | Hold:
+        """Call once per loss of the request's current incarnation (its engine died), and
+        again after a ``Hold``."""
         entry = self._entries[request_id]
         if entry.lost_at_s is None:
             self.on_lost(request_id)
+        pid = entry.lost_pid
+        # The dead engine's flight record, when it has one, names the requests that were
+        # taking their first step in the batch it died in. A crash is pinned on them: the
+        # others had been running there and are replayed without it counting. A pinned one
+        # waits (briefly) for the cause, and is quarantined at once when it was alone there
+        # and the engine crashed: replayed, it would take a survivor and its requests down.
+        suspects = self._suspects_of(pid) if pid is not None else None
+        pinned = bool(suspects) and entry.lost_incarnation in suspects
+        cause = self._cause_of(pid) if pid is not None else None
+        if pinned and cause is None and self._clock() < entry.lost_at_s + HOLD_FOR_CAUSE_S:
+            return Hold(entry.lost_at_s + HOLD_FOR_CAUSE_S)
         # Deaths from outside (a SIGKILL that was not the engine's crash, a stopped process
         # the watchdog killed) are not the request's doing and do not count. A death's
         # cause comes with the supervisor's notice after it reaped the engine, just after
         # its first notice: not known yet (this death, usually), it counts.
-        if not self._died_before_sent(entry):
-            entry.death_pids.append(entry.lost_pid)
+        if not self._died_before_sent(entry) and (not suspects or pinned):
+            entry.death_pids.append(pid)
         entry.num_engine_deaths = sum(1 for pid in entry.death_pids
                                       if pid is None or self._cause_of(pid) != "external")
+        sole_crash = pinned and cause == "fault" and len(suspects) == 1
         entry.lost_pid = None
         entry.sent_monotonic_s = entry.died_monotonic_s = None
         entry.tokens_since_sent = 0
@@ -243,6 +269,10 @@ class RequestJournal:
         n = entry.num_output_tokens
         if p.max_tokens is not None and n >= p.max_tokens:
             return FailRequest(f"all {p.max_tokens} tokens were already produced", "request_done")
+        if self.quarantine_after and sole_crash:
+            self.num_quarantined_total += 1
+            return FailRequest("request quarantined: its engine crashed during its first step, the "
+                               "only request starting there; it is not replayed", "quarantined")
         if self.quarantine_after and entry.num_engine_deaths >= self.quarantine_after:
             self.num_quarantined_total += 1
             return FailRequest(f"request quarantined: in flight on {entry.num_engine_deaths} engines "

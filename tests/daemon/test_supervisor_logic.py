@@ -79,7 +79,7 @@ def make(num_engines=2, stopped_pids=None, **flags):
     spawner, clock, notifier, deaths = FakeSpawner(), Clock(), FakeNotifier(), []
     stopped = stopped_pids if stopped_pids is not None else set()
     sup = Supervisor(cfg, spawner, clock, notifier=notifier,
-                     report_dead=lambda e, pid, reason: deaths.append((e, pid, reason)),
+                     report_dead=lambda e, pid, reason, suspects=(): deaths.append((e, pid, reason)),
                      is_job_stopped=lambda pid: pid in stopped)
     sup.start()
     return sup, spawner, clock, notifier, deaths
@@ -237,8 +237,8 @@ def test_the_cause_of_death_follows_the_reap(monkeypatch, how, stopped, expected
     cfg = config_mod.build({"model": "/m", "num_engines": 2, "state_dir": "/s", "hang_timeout_s": 5.0},
                            environ={})
     spawner, clock, causes = FakeSpawner(), Clock(), []
-    sup = Supervisor(cfg, spawner, clock, report_dead=lambda *a: None,
-                     report_cause=lambda e, pid, reason, cause: causes.append((e, pid, cause)))
+    sup = Supervisor(cfg, spawner, clock, report_dead=lambda *a, **kw: None,
+                     report_cause=lambda e, pid, reason, cause, suspects=(): causes.append((e, pid, cause)))
     sup.start()
     child = engine_child(spawner, 0)
     code = {"sigkill from outside": -9, "crash: exit code 1": 1, "crash: SIGSEGV": -11}.get(how, -9)

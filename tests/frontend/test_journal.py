@@ -14,7 +14,7 @@ from planaria.engine.messages import EngineCoreOutput, EngineCoreRequest, Logpro
 from planaria.engine.sampling_params import SamplingParams
 from planaria.frontend.errors import ServiceUnavailableError
 from planaria.frontend.generation import Generator
-from planaria.frontend.journal import FailRequest, Replay, RequestJournal, replay_request
+from planaria.frontend.journal import HOLD_FOR_CAUSE_S, FailRequest, Hold, Replay, RequestJournal, replay_request
 from planaria.frontend.metrics import FrontendMetrics
 
 
@@ -519,3 +519,76 @@ def test_a_replayed_request_draws_what_the_uninterrupted_run_drew(tiny_moe, sp):
     bad = msgspec.structs.replace(replay_request(orig, full[:5], 9), num_prior_output_tokens=99)
     core.add_request(bad)
     assert "num_prior_output_tokens" in core.step()[0][0].error
+
+
+# -- the flight record: a crash pinned on the requests in their first step ------------------
+
+def _on_engine(j, rids, engine, pid, sent=10.0):
+    for rid in rids:
+        if rid not in j:
+            j.open(ecr(rid))
+        j.on_sent(rid, sent)
+        j.on_submitted(rid, engine)
+    return j.on_engine_dead(engine, died_monotonic_s=sent + 5.0, pid=pid)
+
+
+def test_a_crash_in_a_sole_requests_first_step_quarantines_it_and_spares_the_others():
+    """The poison request crashes engine 0 at its first step; the flight record names it
+    alone. It waits for the cause (a crash), then fails quarantined at once, without being
+    replayed onto a survivor; the requests that had been running there are replayed and the
+    death is not counted against them."""
+    clock, causes, suspects = Clock(), {}, {}
+    j = RequestJournal(clock=clock, cause_of=causes.get, suspects_of=suspects.get)
+    _on_engine(j, ["bystander", "poison"], 0, pid=100)
+    suspects[100] = ["poison"]
+    assert isinstance(j.decide("bystander"), Replay)  # not pinned: replayed at once
+    held = j.decide("poison")
+    assert isinstance(held, Hold) and held.until_s == clock.now_s + HOLD_FOR_CAUSE_S
+    causes[100] = "fault"
+    fail = j.decide("poison")
+    assert fail.code == "quarantined" and "first step" in fail.reason
+    assert j.get("bystander").num_engine_deaths == 0 and j.num_quarantined_total == 1
+
+
+def test_a_kill_from_outside_during_a_first_step_pins_nothing():
+    clock, causes, suspects = Clock(), {}, {}
+    j = RequestJournal(clock=clock, cause_of=causes.get, suspects_of=suspects.get)
+    _on_engine(j, ["new"], 0, pid=100)
+    suspects[100] = ["new"]
+    assert isinstance(j.decide("new"), Hold)
+    causes[100] = "external"  # the chaos test's SIGKILL, the OOM killer
+    assert isinstance(j.decide("new"), Replay) and j.get("new").num_engine_deaths == 0
+
+
+def test_a_pinned_request_whose_cause_never_comes_is_counted_as_before():
+    clock, suspects = Clock(), {}
+    j = RequestJournal(clock=clock, suspects_of=suspects.get)
+    _on_engine(j, ["new"], 0, pid=100)
+    suspects[100] = ["new"]
+    assert isinstance(j.decide("new"), Hold)
+    clock.now_s += HOLD_FOR_CAUSE_S
+    assert isinstance(j.decide("new"), Replay) and j.get("new").num_engine_deaths == 1
+
+
+def test_several_requests_in_their_first_step_share_the_crash_as_before():
+    """Two requests started in the crashing batch: either may be the poison. Each counts the
+    death (quarantined at two, as without a flight record); the ones already running do not."""
+    clock, causes, suspects = Clock(), {}, {}
+    j = RequestJournal(clock=clock, cause_of=causes.get, suspects_of=suspects.get)
+    _on_engine(j, ["a", "b", "old"], 0, pid=100)
+    suspects[100], causes[100] = ["a", "b"], "fault"
+    assert [type(j.decide(r)).__name__ for r in ("a", "b", "old")] == ["Replay", "Replay", "Replay"]
+    assert [j.get(r).num_engine_deaths for r in ("a", "b", "old")] == [1, 1, 0]
+    # replayed onto engine 1, which crashes with "a" alone in its first step: "a" goes, "b" stays
+    _on_engine(j, ["a", "b"], 1, pid=101, sent=30.0)
+    suspects[101], causes[101] = [j.get("a").engine_request_id], "fault"  # "a~r1"
+    assert j.decide("a").code == "quarantined"
+    assert isinstance(j.decide("b"), Replay) and j.get("b").num_engine_deaths == 1
+
+
+def test_a_decode_step_crash_names_nobody_and_counts_as_before():
+    clock, causes, suspects = Clock(), {}, {}
+    j = RequestJournal(clock=clock, cause_of=causes.get, suspects_of=suspects.get)
+    _on_engine(j, ["a"], 0, pid=100)
+    causes[100] = "fault"  # no flight record entry (or an empty one: a decode-only batch)
+    assert isinstance(j.decide("a"), Replay) and j.get("a").num_engine_deaths == 1

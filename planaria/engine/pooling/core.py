@@ -145,6 +145,10 @@ class PoolingEngineCore:
 
     step_with_batch_queue = step
 
+    def record_flights_to(self, recorder) -> None:
+        """Not kept: an embedding request runs whole in one forward and a crash there is
+        pinned by the journal's count of engines lost with it (frontend/journal.py)."""
+
     def inject_step_fault(self, kind: str) -> None:
         """Chaos tests: the next step raises before its forward ("fatal"), or fails its
         first request after it ("request")."""
