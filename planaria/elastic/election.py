@@ -8,13 +8,24 @@ same transaction (see :mod:`elastic.epochs`).
 
 Leadership ends when the leader key goes (lease expired or revoked, resign) or the lease
 it was won on is lost. :meth:`LeaderElection.start` runs a watch on the key and a loop
-that campaigns again whenever there is no leader.
+that campaigns whenever the watch says nobody holds the key (or holds it with our id, a
+win whose answer was lost), and every ``retry_interval_s`` while the watch is not
+established (etcd away: the watch cannot say). A node never campaigns while it sees
+another leader, so an idle cluster sends no campaign transactions at all. When the key
+goes, every node's watch says so at the same moment: each campaigns at a random moment
+within ``campaign_spread_s`` (default ``retry_interval_s``), and one that sees the
+winner's key before its moment comes does not campaign. So a failover costs etcd about
+``1 + nodes * (watch delay / spread)`` transactions instead of one per node at once
+(bench/membership_scale.py measures it), and the first campaign still goes out about
+``spread / nodes`` after the key went.
 """
 
 from __future__ import annotations
 
+import random
 import threading
 from collections.abc import Callable
+
 import structlog
 
 import grpc
@@ -36,19 +47,25 @@ class LeaderElection:
 
     def __init__(self, membership: Membership, *,
                  on_change: Callable[[bool], None] | None = None,
-                 retry_interval_s: float | None = None) -> None:
+                 retry_interval_s: float | None = None,
+                 campaign_spread_s: float | None = None) -> None:
         self._membership = membership
         self._client = membership.client
         self._key = membership.layout.leader
         self._node_id = membership.node_id
         self._on_change = on_change
         self._retry_interval_s = retry_interval_s or max(membership.ttl_s / 3, 0.2)
+        self._campaign_spread_s = (self._retry_interval_s if campaign_spread_s is None
+                                   else max(0.0, campaign_spread_s))
         self._lock = threading.Lock()
         self._token: int | None = None        # create revision of our leader key
         self._token_lease: int | None = None  # the lease it was won on
         self._reported = False
+        self._holder: str | None = None      # the leader key's node id, as last seen (None: no key)
+        self._holder_revision = 0            # ... at this revision (watch event or campaign answer)
         self._stopped = threading.Event()
         self._wake = threading.Event()
+        self._vacated = threading.Event()     # the watch saw the key go: campaign, spread out
         self._thread: threading.Thread | None = None
         self._watch: KeyWatch | None = None
         membership.add_lease_listener(self._on_lease_change)
@@ -100,13 +117,17 @@ class LeaderElection:
             raise EtcdUnavailableError("campaign", exc, detail="the lease had expired; re-granting") from exc
         kvs = responses[-1] if responses else []
         token = None
+        holder: tuple[str, int] | None = None
         if kvs:
             value, meta = kvs[0]
-            if won or (meta.lease_id == lease_id and value.decode("utf-8", "replace") == self._node_id):
+            holder = (value.decode("utf-8", "replace"), meta.mod_revision)
+            if won or (meta.lease_id == lease_id and holder[0] == self._node_id):
                 token = meta.create_revision
         with self._lock:
             self._token = token
             self._token_lease = lease_id if token is not None else None
+            if holder is not None:
+                self._note_holder(*holder)
         if won:
             log.info("leader_elected", node_id=self._node_id, leader_revision=token)
         self._report()
@@ -150,7 +171,7 @@ class LeaderElection:
 
     def _loop(self) -> None:
         while not self._stopped.is_set():
-            if not self.is_leader:
+            if self._should_campaign():
                 try:
                     self.campaign()
                 except EtcdUnavailableError as exc:
@@ -160,19 +181,45 @@ class LeaderElection:
             self._report()
             self._wake.wait(self._retry_interval_s)
             self._wake.clear()
+            if self._vacated.is_set():  # the key went: campaign at a random moment of the spread
+                self._vacated.clear()
+                self._stopped.wait(random.uniform(0.0, self._campaign_spread_s))
+
+    def _should_campaign(self) -> bool:
+        """Not leader, and the key is free or ours as far as the watch knows; or the watch
+        is not established, so it cannot know (then every ``retry_interval_s``)."""
+        if self.is_leader:
+            return False
+        if self._watch is None or not self._watch.is_watching:
+            return True
+        with self._lock:
+            holder = self._holder
+        return holder is None or holder == self._node_id
 
     def _on_leader_events(self, events: list[WatchEvent]) -> None:
         last = events[-1]
         with self._lock:
+            self._note_holder(None if last.kind == DELETE else (last.value or b"").decode("utf-8", "replace"),
+                              last.mod_revision, watched=True)
             lost = self._token is not None and (
                 last.kind == DELETE or last.create_revision != self._token)
             if lost:
                 self._token = self._token_lease = None
         if lost:
             log.warning("leadership_lost", node_id=self._node_id, reason="leader key changed")
+        if last.kind == DELETE:
+            self._vacated.set()
         if last.kind == DELETE or lost:
             self._wake.set()
         self._report()
+
+    def _note_holder(self, holder: str | None, revision: int, *, watched: bool = False) -> None:
+        """The leader key's holder (None: no key) as of ``revision``. The watch's events
+        always count (they come in order, and a fresh etcd starts its revisions again); a
+        campaign's answer only when it is not older than what the watch said last (a read
+        from before a deletion the watch already reported). Caller holds ``_lock``."""
+        if watched or revision >= self._holder_revision:
+            self._holder, self._holder_revision = holder, revision
 
     def _on_lease_change(self, old: int | None, new: int | None) -> None:
         with self._lock:

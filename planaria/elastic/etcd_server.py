@@ -12,6 +12,14 @@ pid: SIGTERM, then SIGKILL after a grace period. etcd's own log goes to
 daemon killed outright never leaves an orphaned etcd on its port and data directory. The
 signal follows the *thread* that started the process: start it from a thread that lives
 as long as the daemon (daemon/etcd_keeper.py starts and stops it from its own thread).
+
+etcd keeps every revision of every key until it is compacted, and on its own it never
+compacts: each epoch, engine record and op written stays in the database forever, until
+the database reaches etcd's quota (2 GiB) and etcd refuses every write. So the embedded
+etcd compacts its history itself (``--auto-compaction-mode=periodic``), keeping
+``compaction_retention`` of it (default one hour; None: never, etcd's own default).
+Nothing here reads old revisions: a watch that reconnects re-reads the current state
+(elastic/watch.py), so compaction costs the cluster nothing.
 """
 
 from __future__ import annotations
@@ -105,15 +113,17 @@ class EmbeddedEtcd:
     stays on loopback), started with :meth:`start` or ``with``.
 
     Attributes: ``endpoint`` ("host:port"), ``client_port``, ``peer_port``,
-    ``pid`` (None when not running), ``data_dir``, ``log_path``.
+    ``pid`` (None when not running), ``data_dir``, ``log_path``. ``compaction_retention``:
+    how much history etcd keeps (an etcd duration, "1h"; None: all of it).
     """
 
     def __init__(self, data_dir: str | os.PathLike[str], client_port: int | None = None,
                  peer_port: int | None = None, binary: str | None = None,
                  name: str | None = None, tls: ServerTLS | None = None,
                  extra_args: Sequence[str] = (), host: str = "127.0.0.1",
-                 die_with_parent: bool = False) -> None:
+                 die_with_parent: bool = False, compaction_retention: str | None = "1h") -> None:
         self.host = host
+        self.compaction_retention = compaction_retention
         self.die_with_parent = die_with_parent
         self.tls = tls
         self.extra_args = list(extra_args)
@@ -161,6 +171,8 @@ class EmbeddedEtcd:
             "--initial-cluster", f"{self.name}={peer_url}",
             "--initial-cluster-state", "new",
             "--listen-metrics-urls", "",
+            *(["--auto-compaction-mode=periodic", f"--auto-compaction-retention={self.compaction_retention}"]
+              if self.compaction_retention else []),
         ]
 
     def start(self, timeout_s: float = _START_TIMEOUT_S) -> EmbeddedEtcd:

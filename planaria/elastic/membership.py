@@ -137,6 +137,15 @@ class Membership:
         with self._lock:
             return self._lease_id is not None and self._clock() < self._lease_valid_until
 
+    @property
+    def lease_valid_until(self) -> float:
+        """When the lease runs out unless refreshed again, on ``clock``; 0.0 when none is
+        held. Conservative (counted from before the last refresh was sent), so etcd
+        expires it at this moment or a round trip later: bench/membership_scale.py times
+        a crashed node's re-form from here."""
+        with self._lock:
+            return self._lease_valid_until if self._lease_id is not None else 0.0
+
     def add_lease_listener(self, listener: LeaseListener) -> None:
         self._listeners.append(listener)
 

@@ -9,7 +9,11 @@ callback. This one owns its stream and its thread:
            stream events from R + 1             -> emit; on any break, back off, loop
 
 So after an outage, a compaction or a missed event the callback still converges to the
-true contents: every key ends with its latest PUT, or a DELETE if it went away.
+true contents: every key ends with its latest PUT, or a DELETE if it went away. A prefix
+is re-read ``page_keys`` keys at a time (fewer where a page of big values is refused),
+every page at the first page's revision: one read of a whole large prefix (a cluster's,
+with every ops/ record it ever wrote) exceeds gRPC's 4 MiB message limit, and the watch
+could then never start.
 
 Values are handed on as bytes, undecoded: their readers decode and check them
 (elastic/keys.py ``decode``). A key that is not UTF-8 arrives with its bad bytes escaped
@@ -62,8 +66,10 @@ class KeyWatch:
     """
 
     def __init__(self, client: Any, key: str, callback: WatchCallback, *,
-                 prefix: bool = True, name: str = "", max_backoff_s: float = 1.0) -> None:
+                 prefix: bool = True, name: str = "", max_backoff_s: float = 1.0,
+                 page_keys: int = 256) -> None:
         self._client = client
+        self._page_keys = max(1, page_keys)
         self._key = utils.to_bytes(key)
         self._range_end = utils.prefix_range_end(self._key) if prefix else None
         self._callback = callback
@@ -122,14 +128,32 @@ class KeyWatch:
             self._stopped.wait(backoff_s)
             backoff_s = min(backoff_s * 2, self._max_backoff_s)
 
-    def _resync(self) -> int:
+    def _read(self) -> tuple[list[Any], int]:
+        """Every kv of the key or prefix, and the revision they are all of."""
         if self._range_end is None:
             resp = self._client.get_response(self._key)
-        else:
-            resp = self._client.get_prefix_response(self._key)
+            return list(resp.kvs), resp.header.revision
+        kvs: list[Any] = []
+        start, revision, limit = self._key, None, self._page_keys
+        while True:
+            try:
+                resp = self._client.get_range_response(start, self._range_end, sort_order="ascend",
+                                                       limit=limit, revision=revision)
+            except grpc.RpcError as exc:  # a page of big values over the limit: fewer keys
+                if _code(exc) != grpc.StatusCode.RESOURCE_EXHAUSTED or limit == 1:
+                    raise
+                limit = max(1, limit // 2)
+                continue
+            revision = revision or resp.header.revision
+            kvs.extend(resp.kvs)
+            if not resp.more or not resp.kvs:
+                return kvs, revision
+            start = resp.kvs[-1].key + b"\0"  # the next key after the last one read
+
+    def _resync(self) -> int:
+        kvs, revision = self._read()
         seen: dict[str, tuple[bytes, int, int]] = {
-            _text(kv.key): (kv.value, kv.mod_revision, kv.create_revision) for kv in resp.kvs}
-        revision = resp.header.revision
+            _text(kv.key): (kv.value, kv.mod_revision, kv.create_revision) for kv in kvs}
         events = []
         for key in sorted(set(self._cache) - set(seen)):
             events.append(WatchEvent(DELETE, key, None, revision, resync=True))
@@ -188,6 +212,11 @@ def _event(ev: Any) -> WatchEvent:
     if ev.type == ev.PUT:
         return WatchEvent(PUT, key, ev.kv.value, ev.kv.mod_revision, ev.kv.create_revision)
     return WatchEvent(DELETE, key, None, ev.kv.mod_revision)
+
+
+def _code(exc: grpc.RpcError) -> grpc.StatusCode | None:
+    code = getattr(exc, "code", None)
+    return code() if callable(code) else None
 
 
 def _text(key: bytes) -> str:
