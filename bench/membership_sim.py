@@ -8,15 +8,16 @@ there, wired the way elastic/cluster.py ``EPNode`` wires it:
   (capacity ``{"engines": 1, "max_engines": 1}``);
 - the real ``LeaderElection`` (counted: ``CountedElection`` notes each campaign's time)
   and the real ``EPController`` (``place_engines=True``, no launcher), ticked by a loop
-  like ``EPNode._run``: a watch on the cluster prefix wakes it, ``tick_s`` is the
-  fallback, ``MIN_TICK_S`` coalesces a burst;
+  like ``EPNode._run``; ``tick_s`` is the fallback, ``MIN_TICK_S`` coalesces a burst;
 - after each tick, the supervisor's part: the node follows its share of the placement
   (elastic/placement.py), adding its engine when the share is 1 and removing it when the
-  share is 0 and no epoch names it any more. ``view="poll"`` learns placement and epoch
-  the way ``EPNode._refresh_view`` does today: after every tick it reads the placement,
-  checks it against the whole node list, reads the epoch and (at most once a second) the
-  KV figure. ``view="watch"`` keeps them from the events of the prefix watch the node has
-  anyway, with no reads (what _refresh_view could do: the bench compares the two);
+  share is 0 and no epoch names it any more. ``view="watch"`` (the default) is EPNode's
+  own code: ``NodeView`` keeps placement, node records and epoch from watches of those
+  keys, ``LeaderWatch`` gives the leader alone a watch of the whole prefix, and the
+  campaigns spread by ``campaign_spread_s`` (elastic/node_view.py). ``view="poll"`` is
+  EPNode before that: every node watched the whole prefix and, after every tick, read
+  the placement, the whole node list, the epoch and (once a second) the KV figure; the
+  bench keeps it to show the difference;
 - one ``SimEngine``: its record on the node's lease, LOADING and then READY
   ``engine_load_s`` later (a real engine's start: no model is loaded, the node's loop
   writes READY when the time has come), a watch on the ``epoch`` key like ep_proc's; when
@@ -28,8 +29,9 @@ node's keys go when the lease runs out, as after a real crash.
 
 The worker processes that host them: bench/membership_workers.py.
 Times are ``time.monotonic()``, which is one clock for every process of the host.
-Threads per node: keep-alive, election loop, node loop, three watches (leader key, the
-cluster prefix, the epoch) and gRPC's helpers, about 10; at 16 nodes a worker runs ~160.
+Threads per node: keep-alive, election loop, node loop, watches (leader key, the epoch
+for the engine, and nodes/placement/epoch for the view, or the cluster prefix) and gRPC's
+helpers, about 10; at 16 nodes a worker runs ~160.
 """
 
 from __future__ import annotations
@@ -44,9 +46,10 @@ import structlog
 
 from planaria.elastic.controller import EPController, placement_problem
 from planaria.elastic.election import LeaderElection
-from planaria.elastic.errors import ElasticError, EtcdUnavailableError, RecordDecodeError
+from planaria.elastic.errors import ElasticError, EtcdUnavailableError
 from planaria.elastic.keys import EngineRecord, EngineRecordState, Epoch, NodeInfo, decode
 from planaria.elastic.membership import Membership
+from planaria.elastic.node_view import LeaderWatch, NodeView, campaign_spread_s
 from planaria.elastic.placement import Placement
 from planaria.elastic.watch import KeyWatch, WatchEvent
 
@@ -70,14 +73,14 @@ class SimConfig(msgspec.Struct, frozen=True, kw_only=True):
     switch_delay_s: float = 0.05   # an engine's simulated group switch
     engine_load_s: float = 3.0     # an engine's simulated start (spawn -> READY)
     switch_timeout_s: float = 30.0
-    view: Literal["poll", "watch"] = "poll"  # "poll": EPNode._refresh_view's reads; "watch": from the watch
+    view: Literal["poll", "watch"] = "watch"  # "watch": EPNode's NodeView; "poll": EPNode before it
 
 
 class CountedElection(LeaderElection):
     """The real election; each campaign transaction's time goes to ``log`` as (t, node)."""
 
-    def __init__(self, membership: Membership, log: list[tuple[float, str]]) -> None:
-        super().__init__(membership)
+    def __init__(self, membership: Membership, log: list[tuple[float, str]], **kw: Any) -> None:
+        super().__init__(membership, **kw)
         self._log = log
         self._node = membership.node_id
 
@@ -147,7 +150,12 @@ class SimNode:
         self.node_id = node_id
         self._index = index
         self.membership = Membership.from_endpoints(config.endpoint, config.cluster, node_id, ttl_s=config.ttl_s)
-        self.election = CountedElection(self.membership, campaigns)
+        self._wake = threading.Event()
+        watch = config.view == "watch"
+        self.view = NodeView(self.membership, config.num_experts, on_change=self._wake.set) if watch else None
+        spread = {"campaign_spread_s": lambda: campaign_spread_s(config.ttl_s, self.view.num_nodes)} if watch else {}
+        self.election = CountedElection(self.membership, campaigns, **spread)
+        self.leader_watch = LeaderWatch(self.membership, self.election, on_change=self._wake.set) if watch else None
         self.rendezvous = f"127.0.0.1:{20000 + index}"  # never dialled: no group forms here
         self.controller = EPController(
             self.membership, self.election, config.cluster, num_experts=config.num_experts,
@@ -157,9 +165,8 @@ class SimNode:
         self.engine: SimEngine | None = None
         self._kv_read_at = 0.0
         self._placement: Placement | None = None   # the view the node follows
-        self._epoch: Epoch | None = None
+        self._epoch_ranks: list[str] = []
         self._stop = threading.Event()
-        self._wake = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"sim:{node_id}", daemon=True)
 
     def start(self) -> float:
@@ -196,38 +203,35 @@ class SimNode:
         self.membership.close(revoke=revoke)
 
     def _run(self) -> None:
-        """EPNode._run: act at once on a change under the cluster's prefix, else every tick_s."""
-        self.membership.watch_prefix(self.membership.layout.prefix, self._on_events)
+        """EPNode._run: act at once on a change, else every tick_s."""
+        if self.view is not None:
+            self.view.start()
+        else:
+            self.membership.watch_prefix(self.membership.layout.prefix, self._on_events)
         while not self._stop.is_set():
             self._wake.wait(self.config.tick_s)
             self._wake.clear()
             if self._stop.wait(MIN_TICK_S):
                 break
             try:
+                if self.leader_watch is not None:
+                    self.leader_watch.follow()
                 self.controller.tick()
-                if self.config.view == "poll":
+                if self.view is None:
                     self._poll_view()
+                else:
+                    self._placement, self._epoch_ranks = self.view.placement, self.view.epoch_ranks
                 self._follow_placement()
             except ElasticError:  # etcd busy or away: the next tick tries again
                 continue
             except Exception:  # noqa: BLE001 - like EPNode._run, the loop outlives a bad tick
                 log.exception("sim tick crashed", node_id=self.node_id)
+        if self.leader_watch is not None:
+            self.leader_watch.stop()
 
     def _on_events(self, events: list[WatchEvent]) -> None:
-        """Wake the loop (EPNode's watch does only this); with ``view="watch"`` also keep
-        the placement and epoch from the events (a refused record: the view keeps its last)."""
+        """``view="poll"``: the old EPNode's prefix watch only woke the loop."""
         self._wake.set()
-        if self.config.view != "watch":
-            return
-        layout = self.membership.layout
-        for ev in events:
-            try:
-                if ev.key == layout.placement and ev.value is not None:
-                    self._placement = decode(ev.key, ev.value, Placement)
-                elif ev.key == layout.epoch and ev.value is not None:
-                    self._epoch = decode(ev.key, ev.value, Epoch)
-            except RecordDecodeError:
-                log.error("record refused; not acted on", key=ev.key, node_id=self.node_id)
 
     def _poll_view(self) -> None:
         """EPNode._refresh_view's reads: placement (checked against every node record),
@@ -236,22 +240,23 @@ class SimNode:
         placement, _rev = c.placements.read()
         if placement is None or not placement_problem(placement, c.membership.list_nodes()):
             self._placement = placement
-        self._epoch, _rev = c.epochs.read_epoch()
+        epoch, _rev = c.epochs.read_epoch()
+        self._epoch_ranks = epoch.ranks if epoch is not None else []
         now = time.monotonic()
         if now - self._kv_read_at >= 1.0:
             self._kv_read_at = now
-            c.kv.smallest_for_group(c.fp, c.device_kind, self._epoch.ranks if self._epoch is not None else [])
+            c.kv.smallest_for_group(c.fp, c.device_kind, self._epoch_ranks)
 
     def _follow_placement(self) -> None:
         """The supervisor's part: its engine follows this node's share of the placement
         (its --engines, 1, until the leader has placed it)."""
-        placement, epoch = self._placement, self._epoch
+        placement, ranks = self._placement, self._epoch_ranks
         share = placement.engines.get(self.node_id, 1) if placement is not None else 1
         if self.engine is not None:
             self.engine.poll_ready(time.monotonic())
         if share >= 1 and self.engine is None:
             self.engine = SimEngine(self.membership, f"{self.node_id}-e0", 0, self.config).start()
-        elif share == 0 and self.engine is not None and (epoch is None or self.engine.engine_id not in epoch.ranks):
+        elif share == 0 and self.engine is not None and self.engine.engine_id not in ranks:
             engine, self.engine = self.engine, None
             engine.stop()
             self.membership.remove_engine(engine.engine_id)

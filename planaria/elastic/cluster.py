@@ -30,15 +30,17 @@ from typing import Callable
 import msgspec
 import structlog
 
-from planaria.elastic.controller import EPController, placement_problem
+from planaria.elastic.controller import EPController
 from planaria.elastic.election import LeaderElection
 from planaria.elastic.ep import host_store
-from planaria.elastic.errors import ElasticError, EtcdUnavailableError, RecordDecodeError
-from planaria.elastic.keys import NodeInfo, epoch_problem
+from planaria.elastic.errors import ElasticError, EtcdUnavailableError
+from planaria.elastic.keys import NodeInfo
 from planaria.elastic.membership import Membership
+from planaria.elastic.node_view import LeaderWatch, NodeView, campaign_spread_s
 
 log = structlog.get_logger("planaria.elastic.cluster")
 MIN_TICK_S = 0.005
+KV_FIGURE_EVERY_S = 10.0  # the group's KV figure is read again at least this often
 # A node's first etcd write waits this long for etcd to answer: an embedded etcd that has
 # just said healthy over HTTP can still time out a first gRPC connection on a loaded host.
 START_ETCD_WAIT_S = 20.0
@@ -197,9 +199,13 @@ class EPNode:
         from planaria.engine.models.loader import load_hf_config, model_fingerprint, spec_from_config
 
         self.node_id, self.cluster = node_id, cluster
+        self._wake = threading.Event()  # a change the controller or the view acts on
         self.membership = Membership.from_endpoints(etcd_endpoints, cluster, node_id, ttl_s=lease_ttl_s,
                                                     security=security)
-        self.election = LeaderElection(self.membership)
+        # After the leader key goes, each node campaigns at a random moment of a spread
+        # that grows with the cluster (elastic/election.py): no herd, no wait on two nodes.
+        self.election = LeaderElection(self.membership, campaign_spread_s=lambda: campaign_spread_s(
+            lease_ttl_s, self.view.num_nodes))
         self.rendezvous = rendezvous
         self.host, self.capacity = host, dict(capacity or {})
         self.addresses = {"rendezvous": rendezvous, **(addresses or {})}
@@ -212,11 +218,11 @@ class EPNode:
             switch_timeout_s=switch_timeout_s, place_engines=place_engines)
         self.tick_s = tick_s
         self.kv_figure: int | None = None  # the group's KV figure (kv_budget), for restarts
-        self.placement = None  # the leader's elastic.placement.Placement (None: none yet)
+        self.view = NodeView(self.membership, spec.num_experts, on_change=self._wake.set)
+        self.leader_watch = LeaderWatch(self.membership, self.election, on_change=self._wake.set)
+        self._kv_ranks: list[str] | None = None
         self._kv_read_at = 0.0
-        self._last_refusal = ""
         self._stop = threading.Event()
-        self._wake = threading.Event()  # set on any change under the cluster's prefix
         self._thread = threading.Thread(target=self._run, name="ep-controller", daemon=True)
 
     def start(self, etcd_wait_s: float = START_ETCD_WAIT_S) -> "EPNode":
@@ -242,54 +248,43 @@ class EPNode:
         return self
 
     def _run(self) -> None:
-        # The controller acts on a change in etcd at once (an engine READY, desired, a
-        # failure report), and every tick_s regardless (timeouts, etcd coming back).
-        self.membership.watch_prefix(self.membership.layout.prefix, lambda _events: self._wake.set())
+        """Tick the controller: at once on a change in etcd the leader must act on (its
+        watch of the whole cluster prefix), and every tick_s regardless (timeouts, etcd
+        coming back). Every node keeps its view (placement, node records, epoch) from
+        watches of those keys alone: a follower reads nothing per tick, and only the leader
+        receives the events of every engine record."""
+        self.view.start()
         while not self._stop.is_set():
             self._wake.wait(self.tick_s)
             self._wake.clear()
             if self._stop.wait(MIN_TICK_S):  # a burst of changes makes one tick
                 break
+            self.leader_watch.follow()
             try:
                 self.controller.tick()
-                self._refresh_view()
+                self._refresh_kv_figure()
             except ElasticError as exc:  # etcd down: membership changes freeze, traffic goes on
                 log.warning("controller tick failed", error=str(exc))
             except Exception:
                 log.exception("controller tick crashed")
+        self.leader_watch.stop()
 
-    def _refresh_view(self, kv_every_s: float = 1.0) -> None:
-        """Keep ``placement`` and ``kv_figure`` (read by the supervisor's loop without waiting
-        on etcd). A record that fails its checks (elastic/keys.py,
-        controller.placement_problem) is refused: the view keeps what it had."""
-        c = self.controller
-        try:
-            placement = c.placements.read()[0]
-            problem = placement_problem(placement, c.membership.list_nodes()) if placement is not None else None
-            if problem:
-                raise RecordDecodeError(c.placements.layout.placement, ValueError(problem))
-            self.placement = placement
-        except RecordDecodeError as exc:
-            self._refused(f"placement refused: {exc}")
-        try:
-            epoch = c.epochs.read_epoch()[0]
-            problem = epoch_problem(epoch, num_experts=c.num_experts) if epoch is not None else None
-            if problem:
-                raise RecordDecodeError(c.epochs.layout.epoch, ValueError(problem))
-        except RecordDecodeError as exc:
-            self._refused(f"epoch refused: {exc}")
-            return
+    @property
+    def placement(self):
+        """The leader's placement this node follows (elastic.placement.Placement; None: none
+        yet), kept fresh by the view without the supervisor's loop waiting on etcd."""
+        return self.view.placement
+
+    def _refresh_kv_figure(self, every_s: float = KV_FIGURE_EVERY_S) -> None:
+        """The group's KV figure (for restarts and added engines): read when the epoch
+        changed, and every ``every_s`` (a figure published meanwhile)."""
         now = time.monotonic()
-        if now - self._kv_read_at < kv_every_s:
+        if self.view.epoch_ranks == self._kv_ranks and now - self._kv_read_at < every_s:
             return
-        self._kv_read_at = now
-        budget = c.kv.smallest_for_group(c.fp, c.device_kind, epoch.ranks if epoch is not None else [])
+        self._kv_read_at, self._kv_ranks = now, self.view.epoch_ranks
+        c = self.controller
+        budget = c.kv.smallest_for_group(c.fp, c.device_kind, self._kv_ranks)
         self.kv_figure = budget.kv_cache_bytes if budget is not None else None
-
-    def _refused(self, why: str) -> None:
-        if why != self._last_refusal:
-            log.error("record refused; not acted on", reason=why)
-            self._last_refusal = why
 
     def request_scale(self, target: int) -> str:
         op_id = f"op-{uuid.uuid4().hex[:8]}"
@@ -303,3 +298,4 @@ class EPNode:
         self.election.stop()
         self.membership.close(revoke=True)
         self._store = None
+

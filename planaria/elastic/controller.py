@@ -9,10 +9,13 @@ Each ``tick`` observes, decides, then acts, as torch.distributed.elastic's agent
      tick: an epoch written by anyone after this read makes that write fail, so a
      decision on a stale epoch never lands);
   2. the node records;
-  3. the active op, *then* ``desired``: a scale request writes both in one transaction,
-     so an op read first comes with its own desired or a later one. The other order
-     paired a request landing between the reads with the old size, and the op was
-     marked DONE at the size the cluster already had;
+  3. ``desired``, then the op it names (``ops/<desired.op_id>``, in progress unless in a
+     final phase): a scale request writes both in one transaction, so the op read is
+     the one paired with the size read, or, when a newer request landed between the two
+     reads, an op it superseded (final: not driven). Reading "the active op" and
+     ``desired`` as two unrelated records once paired a request landing between the
+     reads with the old size, and the op was marked DONE at the size the cluster already
+     had. One read of one key, however many finished ops etcd keeps;
   4. ``placement`` with its mod revision (``planaria serve``: placed mode);
   5. the group's KV figure (launching mode only);
   6. the engine records, last: the freshest picture of what the engines report.
@@ -137,14 +140,18 @@ class EPController:
                                records={}, epoch_refused=epoch_refused)
         nodes = tuple(self.membership.list_nodes())  # 2. the nodes
         op_refused = desired_refused = placement_refused = None
-        try:  # 3. the op, then desired
-            op = self.desired.active_op()
-        except RecordDecodeError as exc:
-            op, op_refused = None, f"op refused: {exc}"
-        try:
+        op = None
+        try:  # 3. desired, then the op it names
             desired, _rev = self.desired.read_desired()
         except RecordDecodeError as exc:
             desired, desired_refused = None, str(exc)
+        if desired is not None:
+            try:
+                op = self.desired.get_op(desired.op_id)
+            except RecordDecodeError as exc:
+                op_refused = f"op refused: {exc}"
+            if op is not None and op.phase.is_final:
+                op = None
         placement, placement_rev = None, 0
         if self.place_engines:  # 4. the placement
             try:

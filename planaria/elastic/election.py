@@ -48,15 +48,15 @@ class LeaderElection:
     def __init__(self, membership: Membership, *,
                  on_change: Callable[[bool], None] | None = None,
                  retry_interval_s: float | None = None,
-                 campaign_spread_s: float | None = None) -> None:
+                 campaign_spread_s: float | Callable[[], float] | None = None) -> None:
         self._membership = membership
         self._client = membership.client
         self._key = membership.layout.leader
         self._node_id = membership.node_id
         self._on_change = on_change
         self._retry_interval_s = retry_interval_s or max(membership.ttl_s / 3, 0.2)
-        self._campaign_spread_s = (self._retry_interval_s if campaign_spread_s is None
-                                   else max(0.0, campaign_spread_s))
+        # a number, or a function read at each failover (EPNode: it grows with the cluster)
+        self._campaign_spread_s = self._retry_interval_s if campaign_spread_s is None else campaign_spread_s
         self._lock = threading.Lock()
         self._token: int | None = None        # create revision of our leader key
         self._token_lease: int | None = None  # the lease it was won on
@@ -183,7 +183,8 @@ class LeaderElection:
             self._wake.clear()
             if self._vacated.is_set():  # the key went: campaign at a random moment of the spread
                 self._vacated.clear()
-                self._stopped.wait(random.uniform(0.0, self._campaign_spread_s))
+                spread = self._campaign_spread_s
+                self._stopped.wait(random.uniform(0.0, max(0.0, spread() if callable(spread) else spread)))
 
     def _should_campaign(self) -> bool:
         """Not leader, and the key is free or ours as far as the watch knows; or the watch

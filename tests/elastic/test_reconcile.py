@@ -10,7 +10,7 @@ from planaria.elastic.keys import Desired, EngineRecord, EngineRecordState, Epoc
 from planaria.elastic.placement import Placement
 from planaria.elastic.planner import Reform, ScaleDown, ScaleUp, expert_map
 from planaria.elastic.reconcile import (AbortSwitch, ClusterView, Launch, Launched, Memory, Publish, Refused,
-                                        Settings, UpdateOp, WriteEpoch, WritePlacement, decide)
+                                        Settings, UpdateOp, WriteEpoch, decide)
 
 RDV = "127.0.0.1:29500"
 NOW = 1000.0
