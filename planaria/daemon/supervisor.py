@@ -165,7 +165,7 @@ class Supervisor:
             slot.extra_config = self.ep.reused_kv_config(self._kv_figures(but=slot)) or slot.extra_config
         slot.num_starts += 1
         spec = (self.launcher.frontend(len(self.engines)) if slot.key == FRONTEND_KEY
-                else self.launcher.engine(slot.engine_id, slot.extra_config))
+                else self.launcher.engine(slot.engine_id, slot.extra_config, num_engines=len(self.engines)))
         warm = self.standby.take(spec, now) if self.standby is not None else None
         slot.child = warm or self.spawner.spawn(spec)
         slot.state, slot.started_at, slot.due_at, slot.kill_at = SlotState.STARTING, now, None, None

@@ -77,3 +77,24 @@ def test_compile_flag_reaches_every_engine_with_the_cache_in_the_state_dir(tmp_p
     # an operator's own cache location wins
     mine = Launcher(cfg, environ={"PATH": "/bin", "TORCHINDUCTOR_CACHE_DIR": "/var/cache/x"}).engine(0)
     assert mine.env["TORCHINDUCTOR_CACHE_DIR"] == "/var/cache/x"
+
+
+def test_engines_share_the_nodes_cores_unless_told_otherwise(tmp_path, monkeypatch):
+    """Two engines of torch's default threads each on a 2-core node oversubscribe it, and
+    lockstep EP ranks then stall streams for seconds (bench/scale_cycles.py): an engine's
+    num_threads, unless configured, is the node's cores divided among its engines."""
+    import json
+    import os
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: set(range(8)))
+    env = {"STATE_DIRECTORY": str(tmp_path)}
+
+    def threads(spec):
+        return json.loads(spec.argv[spec.argv.index("--config-json") + 1]).get("num_threads")
+
+    launcher = Launcher(_config(tmp_path, [], env), environ={"PATH": "/bin"})
+    assert [threads(launcher.engine(0, num_engines=n)) for n in (1, 2, 3, 8, 20)] == [8, 4, 2, 1, 1]
+    mine = Launcher(_config(tmp_path, ["--engine-config-json", '{"num_threads": 5}'], env), environ={"PATH": "/bin"})
+    assert threads(mine.engine(0, num_engines=4)) == 5
+    gpu = Launcher(_config(tmp_path, ["--engine-config-json", '{"device": "cuda"}'], env), environ={"PATH": "/bin"})
+    assert threads(gpu.engine(0, num_engines=4)) is None
