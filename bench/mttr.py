@@ -137,11 +137,16 @@ def is_whole(status: dict, engines: int) -> bool:
                and (ep["engines"].get(r) or {}).get("epoch") == ep["epoch"] for r in ep["ranks"])
 
 
-def wait_whole(stack: ServeStack, engines: int, t_fault: float, timeout_s: float = WHOLE_WAIT_S) -> float | None:
+def wait_whole(stack: ServeStack, engines: int, t_fault: float, gone: set[int] = frozenset(),
+               timeout_s: float = WHOLE_WAIT_S) -> float | None:
+    """Seconds from ``t_fault`` until the deployment is whole again, and none of the pids in
+    ``gone`` (the fault's victims) is among its engines any more."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         try:
-            if is_whole(stack.status(timeout_s=5), engines):
+            status = stack.status(timeout_s=5)
+            pids = {e["pid"] for e in status["engines"]} | {((status.get("ep") or {}).get("etcd") or {}).get("pid")}
+            if is_whole(status, engines) and not gone & pids:
                 return time.time() - t_fault
         except Exception:  # noqa: BLE001 - the control socket can be busy; poll again
             pass
@@ -172,22 +177,22 @@ def _wait(predicate: Callable[[dict], bool], stack: ServeStack, timeout_s: float
     raise TimeoutError(f"{what}: not within {timeout_s} s\n{stack.logs()}")
 
 
-def inject(stack: ServeStack, fault: str, rng_pick: int, poison_body: dict | None) -> tuple[float, str]:
-    """Cause ``fault``; returns (its time.time(), what was done)."""
+def inject(stack: ServeStack, fault: str, rng_pick: int, poison_body: dict | None) -> tuple[float, str, set[int]]:
+    """Cause ``fault``; returns (its time.time(), what was done, the pids it is sure to end)."""
     status = stack.status()
     if fault in ("engine-sigkill", "rank-sigkill", "engine-hang"):
         victim = status["engines"][rng_pick % len(status["engines"])]
         sig = signal.SIGSTOP if fault == "engine-hang" else signal.SIGKILL
         t = time.time()
         os.kill(victim["pid"], sig)
-        return t, f"{sig.name} engine {victim['engine_id']} (pid {victim['pid']})"
+        return t, f"{sig.name} engine {victim['engine_id']} (pid {victim['pid']})", {victim["pid"]}
     if fault == "poison":
-        return time.time(), PoisonRequest(stack.base, poison_body).start().describe()
+        return time.time(), PoisonRequest(stack.base, poison_body).start().describe(), set()
     if fault == "etcd-killed":
         pid = status["ep"]["etcd"]["pid"]
         t = time.time()
         os.kill(pid, signal.SIGKILL)
-        return t, f"SIGKILL etcd (pid {pid})"
+        return t, f"SIGKILL etcd (pid {pid})", {pid}
     if fault == "joiner-killed":
         epoch0 = status["ep"]["epoch"]
         _scale(stack, 3)
@@ -197,7 +202,8 @@ def inject(stack: ServeStack, fault: str, rng_pick: int, poison_body: dict | Non
         t = time.time()
         os.kill(joiner["pid"], signal.SIGKILL)
         state = (s["ep"]["engines"].get(s["ep"]["ranks"][-1]) or {}).get("state")
-        return t, f"SIGKILL joining engine {joiner['engine_id']} at epoch {s['ep']['epoch']} (its record: {state})"
+        return (t, f"SIGKILL joining engine {joiner['engine_id']} at epoch {s['ep']['epoch']} (its record: {state})",
+                {joiner["pid"]})
     if fault == "leaver-killed":
         epoch0 = status["ep"]["epoch"]
         leaver = max(status["engines"], key=lambda e: e["engine_id"])
@@ -210,7 +216,7 @@ def inject(stack: ServeStack, fault: str, rng_pick: int, poison_body: dict | Non
             what = f"SIGKILL leaving engine {leaver['engine_id']} at epoch {s['ep']['epoch']}"
         except ProcessLookupError:
             what = f"leaving engine {leaver['engine_id']} had left already at epoch {s['ep']['epoch']}"
-        return t, what
+        return t, what, {leaver["pid"]}
     raise ValueError(f"unknown fault class {fault!r}")
 
 
@@ -270,7 +276,7 @@ def run_class(stack: ServeStack, fault: str, reps: int, load: ClosedLoopLoad, re
         prepare(stack, fault)
         load.wait_done(len(load.records) + load.num_streams, timeout_s=SERVICE_WAIT_S)  # steady
         n0 = len(load.records)
-        t_fault, what = inject(stack, fault, rep, poison_body)
+        t_fault, what, gone = inject(stack, fault, rep, poison_body)
         detail: dict = {}
         if fault == "poison":  # it does its harm when an engine schedules it: wait for its end
             result = PoisonRequest.last.wait(SERVICE_WAIT_S + WHOLE_WAIT_S) or {}
@@ -278,7 +284,7 @@ def run_class(stack: ServeStack, fault: str, reps: int, load: ClosedLoopLoad, re
             if "quarantined" not in detail["poison"]["body"]:
                 what += "; the poison request did NOT end quarantined"
         moving = all_moving_s(load, t_fault, time.time() + SERVICE_WAIT_S)
-        whole = wait_whole(stack, target_engines(fault), t_fault)
+        whole = wait_whole(stack, target_engines(fault), t_fault, gone)
         t_end = t_fault + (whole if whole is not None else WHOLE_WAIT_S) + 1.0
         load.wait_done(len(load.records) + load.num_streams, timeout_s=SERVICE_WAIT_S)
         window = load.records[n0:]
@@ -351,7 +357,7 @@ def poison_ids(model: Path) -> list[int]:
 def start_stack(root: Path, model: Path, parallel: str, args: argparse.Namespace, poison: list[int]) -> ServeStack:
     env = {"PLANARIA_CPU_DTYPE": args.dtype, "PLANARIA_POISON_TOKENS": ",".join(map(str, poison))}
     serve_args = ("--parallel", parallel, "--max-engines", "3", "--hang-timeout-s", "30",
-                  "--heartbeat-interval-s", "0.5", "--stopped-timeout-s", "0.5")
+                  "--heartbeat-interval-s", "0.5")
     (root / parallel).mkdir(parents=True, exist_ok=True)
     stack = ServeStack(root / parallel, num_engines=2, model=str(model), engine_config=json.loads(args.engine_config),
                        serve_args=serve_args, threads=args.threads, env=env)
@@ -367,7 +373,7 @@ def host() -> str:
     return f"{model}, {os.cpu_count()} CPUs" + (f", {' '.join(extra)}" if extra else "")
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench.mttr", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", help="model directory (default: --preset, built into the planaria cache)")
@@ -381,10 +387,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--engine-config-json", dest="engine_config", default=json.dumps(DEFAULT_CONFIG))
     p.add_argument("--json", action="store_true", help="also print every run as one JSON line")
     args = p.parse_args(argv)
-    classes = [c for c in args.classes.split(",") if c]
-    unknown = [c for c in classes if c not in ALL_CLASSES]
+    unknown = [c for c in args.classes.split(",") if c and c not in ALL_CLASSES]
     if unknown:
-        p.error(f"unknown classes {unknown}; known: {', '.join(ALL_CLASSES)}")
+        p.error(f"unknown classes {unknown}; known: {', '.join(ALL_CLASSES)} (two nodes: bench/mttr_nodes.py)")
+    return args
+
+
+def measure(args: argparse.Namespace, log: Callable[[str], None] = print) -> list[Run]:
+    """Every repetition of every class ``args`` names."""
+    classes = [c for c in args.classes.split(",") if c]
     os.environ["PLANARIA_CPU_DTYPE"] = args.dtype  # the offline reference in the same dtype
     root = Path(tempfile.mkdtemp(prefix="pl-mttr-"))
     model = model_dir(args)
@@ -393,8 +404,8 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.monotonic()
     reference = offline_reference(str(model), bodies, kv_cache_bytes=64 * 2**20,
                                   max_model_len=json.loads(args.engine_config).get("max_model_len", 1024))
-    print(f"mttr: {model} ({args.dtype}), {args.streams} streams, reference texts in "
-          f"{time.monotonic() - t0:.1f} s; host: {host()}", flush=True)
+    log(f"mttr: {model} ({args.dtype}), {args.streams} streams, reference texts in "
+        f"{time.monotonic() - t0:.1f} s; host: {host()}")
     poison = poison_ids(model)
     poison_body = {"model": model.name, "prompt": f"Tell me a story.{POISON_TEXT} Then stop.", "max_tokens": 16,
                    "temperature": 0.0}
@@ -408,9 +419,8 @@ def main(argv: list[str] | None = None) -> int:
             load = ClosedLoopLoad(stack.base, bodies, num_streams=args.streams).start()
             try:
                 for fault in todo:
-                    print(f"{parallel}: {fault}", flush=True)
-                    runs += run_class(stack, fault, args.reps, load, reference, poison_body,
-                                      lambda line: print(line, flush=True))
+                    log(f"{parallel}: {fault}")
+                    runs += run_class(stack, fault, args.reps, load, reference, poison_body, log)
             finally:
                 try:
                     load.stop(timeout_s=SERVICE_WAIT_S)
@@ -418,6 +428,12 @@ def main(argv: list[str] | None = None) -> int:
                     stack.close()
     finally:
         shutil.rmtree(root, ignore_errors=True)
+    return runs
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    runs = measure(args, lambda line: print(line, flush=True))
     print()
     print("\n".join(table(runs)))
     if args.json:

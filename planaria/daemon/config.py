@@ -53,7 +53,7 @@ class ServeConfig(msgspec.Struct, kw_only=True, frozen=True):
     engine_config: dict[str, Any] = {}
     compile: bool = False  # EngineConfig.compile for every engine (engine/compiled.py)
     hang_timeout_s: float = 30.0
-    stopped_timeout_s: float = 0.5  # an engine stopped (SIGSTOP/SIGTSTP) this long is killed; 0: off
+    stopped_timeout_s: float = 0.3  # an engine stopped (SIGSTOP/SIGTSTP) this long is killed; 0: off
     heartbeat_interval_s: float = 0.5
     stop_timeout_s: float = 30.0  # SIGTERM, then this long to drain, then SIGKILL
     handshake_timeout_s: float = 120.0
@@ -274,7 +274,7 @@ _FLAGS: list[tuple[str, str, Any, str]] = [
      "kill an engine with work and no step progress this long (default 30)"),
     ("--stopped-timeout-s", "stopped_timeout_s", float,
      "kill an engine found stopped (SIGSTOP/SIGTSTP, not a debugger's stop) this long, without "
-     "waiting for the hang timeout; 0 turns it off (default 0.5)"),
+     "waiting for the hang timeout; 0 turns it off (default 0.3)"),
     ("--heartbeat-interval-s", "heartbeat_interval_s", float, "engine heartbeat period (default 0.5)"),
     ("--stop-timeout-s", "stop_timeout_s", float,
      "drain time after SIGTERM before SIGKILL, for stop/restart/drain (default 30)"),

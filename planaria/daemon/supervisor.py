@@ -15,7 +15,7 @@ What it does:
 - an engine with work and no step progress for ``hang_timeout_s``, or no heartbeat at
   all for twice that (``HangDetector`` on its heartbeats), is SIGKILLed, reported and
   restarted like any dead engine; so is one found stopped by job control (SIGSTOP) for
-  ``stopped_timeout_s`` (0.5 s; ``StoppedWatch``, its state looked at every 0.2 s), which
+  ``stopped_timeout_s`` (0.3 s; ``StoppedWatch``, its state looked at every 0.15 s), which
   cannot step however long one waits;
 - when the frontend dies, the engines go with it (their handshake was with the dead
   process; a new frontend would not know them) and start again with the new frontend;

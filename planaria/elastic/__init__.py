@@ -8,8 +8,12 @@
 - ``election``     LeaderElection: create-if-absent leader key, create revision = token
 - ``epochs``       EpochStore: read_epoch / write_epoch (fenced compare-and-swap)
 - ``kv_budget``    KVBudgetRegistry: smallest profiled KV figure per model and device
-- ``desired``      DesiredStore: request_scale, ops/<op id> records
-- ``planner``      plan_epoch, expert_map, moves: pure "decide" logic for the leader
+- ``desired``      DesiredStore: request_scale (the newest wins), ops/<op id> records
+- ``planner``      plan_epoch, plan_abort, expert_map, moves: the next epoch (pure)
+- ``reconcile``    decide(view): the leader's actions for one tick, from one frozen view (pure)
+- ``controller``   EPController: the leader's tick, observe -> decide -> act
+- ``node_view``    NodeView, LeaderWatch: what a node follows, kept from watches
+- ``rank_epochs``  RankEpochs: one rank's epoch state machine (pure)
 - ``errors``       the error tree (EtcdUnavailableError, StaleLeaderError, ...)
 """
 

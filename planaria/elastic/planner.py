@@ -6,9 +6,10 @@ with the fenced CAS, drive the op record, tell engines to switch).
 
 Rules, in order:
 
-1. A rank of the current epoch that is not live is dead: **Reform** to the survivors
-   (ranks keep their order, renumbered from 0), whatever ``desired`` says. Scaling back
-   up to ``desired`` is a later, separate decision, once a replacement is live.
+1. A rank of the current epoch that is not live (dead, or DRAINING: it leaves at the next
+   epoch boundary) is left out: **Reform** to the others (ranks keep their order,
+   renumbered from 0), whatever ``desired`` says. Scaling back up to ``desired`` is a
+   later, separate decision, once a replacement is live.
 2. No epoch yet (or an empty one): **ScaleUp** with the first ``desired`` live engines,
    or as many as are live (serving starts with what is there; the rest join later).
 3. ``desired`` above the world size: **ScaleUp** appending new live engines as the new

@@ -66,6 +66,9 @@ DEATH_TIME_SLACK_S = 0.25
 # A request the dead engine's flight record pins the crash on waits this long at most for
 # the cause of the death (a crash counts, a kill from outside does not) before it is decided.
 HOLD_FOR_CAUSE_S = 2.0
+# Several requests pinned by one crash are replayed this far apart (in their flight-record
+# order), so the next crash, if one of them is a poison, names it alone.
+SUSPECT_STAGGER_S = 0.3
 REPLAY_ID_SEP = "~r"
 
 
@@ -251,13 +254,23 @@ class RequestJournal:
         suspects = self._suspects_of(pid) if pid is not None else None
         pinned = bool(suspects) and entry.lost_incarnation in suspects
         cause = self._cause_of(pid) if pid is not None else None
-        if pinned and cause is None and self._clock() < entry.lost_at_s + HOLD_FOR_CAUSE_S:
+        now = self._clock()
+        if pinned and cause is None and now < entry.lost_at_s + HOLD_FOR_CAUSE_S:
             return Hold(entry.lost_at_s + HOLD_FOR_CAUSE_S)
+        if pinned and cause == "fault" and len(suspects) > 1:
+            # Several requests started in the batch that crashed: replayed together, they
+            # would crash the next engine together again. Each waits its turn (after the
+            # death's bystanders, which go at once), so the next crash names one alone.
+            turn = entry.lost_at_s + SUSPECT_STAGGER_S * (1 + suspects.index(entry.lost_incarnation))
+            if now < turn:
+                return Hold(turn)
         # Deaths from outside (a SIGKILL that was not the engine's crash, a stopped process
         # the watchdog killed) are not the request's doing and do not count. A death's
         # cause comes with the supervisor's notice after it reaped the engine, just after
-        # its first notice: not known yet (this death, usually), it counts.
-        if not self._died_before_sent(entry) and (not suspects or pinned):
+        # its first notice: not known yet (this death, usually), it counts. A request the
+        # flight record pins ran there (its first step was in the crashing batch), however
+        # soon after the send the engine died.
+        if (pinned or not self._died_before_sent(entry)) and (not suspects or pinned):
             entry.death_pids.append(pid)
         entry.num_engine_deaths = sum(1 for pid in entry.death_pids
                                       if pid is None or self._cause_of(pid) != "external")

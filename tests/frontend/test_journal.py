@@ -14,7 +14,8 @@ from planaria.engine.messages import EngineCoreOutput, EngineCoreRequest, Logpro
 from planaria.engine.sampling_params import SamplingParams
 from planaria.frontend.errors import ServiceUnavailableError
 from planaria.frontend.generation import Generator
-from planaria.frontend.journal import HOLD_FOR_CAUSE_S, FailRequest, Hold, Replay, RequestJournal, replay_request
+from planaria.frontend.journal import (HOLD_FOR_CAUSE_S, SUSPECT_STAGGER_S, FailRequest, Hold, Replay, RequestJournal,
+                                      replay_request)
 from planaria.frontend.metrics import FrontendMetrics
 
 
@@ -577,10 +578,12 @@ def test_several_requests_in_their_first_step_share_the_crash_as_before():
     j = RequestJournal(clock=clock, cause_of=causes.get, suspects_of=suspects.get)
     _on_engine(j, ["a", "b", "old"], 0, pid=100)
     suspects[100], causes[100] = ["a", "b"], "fault"
+    clock.now_s += 2 * SUSPECT_STAGGER_S  # both turns have come (one turn apart: the test below)
     assert [type(j.decide(r)).__name__ for r in ("a", "b", "old")] == ["Replay", "Replay", "Replay"]
     assert [j.get(r).num_engine_deaths for r in ("a", "b", "old")] == [1, 1, 0]
     # replayed onto engine 1, which crashes with "a" alone in its first step: "a" goes, "b" stays
     _on_engine(j, ["a", "b"], 1, pid=101, sent=30.0)
+    clock.now_s += 2 * SUSPECT_STAGGER_S
     suspects[101], causes[101] = [j.get("a").engine_request_id], "fault"  # "a~r1"
     assert j.decide("a").code == "quarantined"
     assert isinstance(j.decide("b"), Replay) and j.get("b").num_engine_deaths == 1
@@ -592,3 +595,33 @@ def test_a_decode_step_crash_names_nobody_and_counts_as_before():
     _on_engine(j, ["a"], 0, pid=100)
     causes[100] = "fault"  # no flight record entry (or an empty one: a decode-only batch)
     assert isinstance(j.decide("a"), Replay) and j.get("a").num_engine_deaths == 1
+
+
+def test_a_pinned_request_counts_however_soon_the_engine_died():
+    """A poison request kills a fast engine within the 0.25 s slack of its send, which used
+    to count as 'died before it got there': it was replayed up to the replay limit, taking
+    an engine down each time. The flight record proves it ran there."""
+    clock, causes, suspects = Clock(), {}, {}
+    j = RequestJournal(clock=clock, cause_of=causes.get, suspects_of=suspects.get)
+    j.open(ecr("p"))
+    j.on_sent("p", 10.0)
+    j.on_submitted("p", 0)
+    j.on_engine_dead(0, died_monotonic_s=10.05, pid=100)  # 50 ms after the send, no token
+    suspects[100], causes[100] = ["p", "other"], "fault"
+    clock.now_s += SUSPECT_STAGGER_S  # its turn (first in the record)
+    assert isinstance(j.decide("p"), Replay) and j.get("p").num_engine_deaths == 1
+
+
+def test_several_pinned_requests_are_replayed_one_turn_apart():
+    clock, causes, suspects = Clock(), {}, {}
+    j = RequestJournal(clock=clock, cause_of=causes.get, suspects_of=suspects.get)
+    _on_engine(j, ["x", "y", "bystander"], 0, pid=100)
+    suspects[100], causes[100] = ["x", "y"], "fault"
+    lost = j.get("x").lost_at_s
+    assert isinstance(j.decide("bystander"), Replay)  # at once
+    assert j.decide("x") == Hold(lost + SUSPECT_STAGGER_S)
+    assert j.decide("y") == Hold(lost + 2 * SUSPECT_STAGGER_S)
+    clock.now_s = lost + SUSPECT_STAGGER_S
+    assert isinstance(j.decide("x"), Replay) and isinstance(j.decide("y"), Hold)
+    clock.now_s = lost + 2 * SUSPECT_STAGGER_S
+    assert isinstance(j.decide("y"), Replay)

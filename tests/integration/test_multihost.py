@@ -27,6 +27,7 @@ from pathlib import Path
 
 import pytest
 
+from bench.netns import Net
 from tests.integration.test_supervisor import ENGINE_CONFIG, PLANARIA, REPO, Daemon, _stop_tree
 
 pytestmark = pytest.mark.timeout(420)
@@ -38,76 +39,16 @@ HTTP_PORT, ETCD_PORT = 8000, 2379  # fixed: every port is free in a fresh namesp
 PROFILED_CONFIG = {k: v for k, v in ENGINE_CONFIG.items() if k != "kv_cache_bytes"}
 
 
-def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-    return subprocess.run(["ip", *args], capture_output=True, text=True, check=check, timeout=30)
-
-
-def _subnet() -> int:
-    """A 10.77.N.0/24 no interface of this host uses yet (N from the pid: parallel runs differ)."""
-    used = _ip("-4", "-o", "addr", "show").stdout
-    for i in range(250):
-        n = (os.getpid() + i) % 250 + 1
-        if f" 10.77.{n}." not in used:
-            return n
-    pytest.skip("no free 10.77.N.0/24 subnet")
-
-
-class Net:
-    """Two namespaces on one bridge; names carry the pid so parallel runs never collide."""
-
-    def __init__(self) -> None:
-        pid = os.getpid()
-        self.n = _subnet()
-        self.bridge = f"plbr{pid}"
-        self.ns = {"a": f"pl-a-{pid}", "b": f"pl-b-{pid}"}
-        self.addr = {"a": f"10.77.{self.n}.1", "b": f"10.77.{self.n}.2"}
-        self.veth = {"a": (f"pvah{pid}", f"pvan{pid}"), "b": (f"pvbh{pid}", f"pvbn{pid}")}
-        self.made: list[tuple[str, str]] = []
-
-    def up(self) -> "Net":
-        _ip("link", "add", self.bridge, "type", "bridge")
-        self.made.append(("link", self.bridge))
-        _ip("addr", "add", f"10.77.{self.n}.254/24", "dev", self.bridge)
-        _ip("link", "set", self.bridge, "up")
-        for key, ns in self.ns.items():
-            _ip("netns", "add", ns)
-            self.made.append(("netns", ns))
-            host_if, ns_if = self.veth[key]
-            _ip("link", "add", host_if, "type", "veth", "peer", "name", ns_if)
-            self.made.append(("link", host_if))
-            _ip("link", "set", ns_if, "netns", ns)
-            _ip("link", "set", host_if, "master", self.bridge)
-            _ip("link", "set", host_if, "up")
-            _ip("-n", ns, "link", "set", "lo", "up")
-            _ip("-n", ns, "addr", "add", f"{self.addr[key]}/24", "dev", ns_if)
-            _ip("-n", ns, "link", "set", ns_if, "up")
-        return self
-
-    def pids(self, key: str) -> list[int]:
-        out = _ip("netns", "pids", self.ns[key], check=False).stdout
-        return [int(p) for p in out.split()]
-
-    def down(self) -> None:
-        for key in self.ns:  # anything of ours still in a namespace, by pid
-            for pid in self.pids(key):
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-        for kind, name in reversed(self.made):
-            if kind == "netns":
-                _ip("netns", "del", name, check=False)
-            else:
-                _ip("link", "del", name, check=False)
-
-
 @pytest.fixture(scope="module")
 def net():
     if os.geteuid() != 0:
         pytest.skip("needs root (network namespaces)")
     if shutil.which("ip") is None:
         pytest.skip("needs the `ip` command (iproute2)")
-    n = Net()
+    try:
+        n = Net()
+    except RuntimeError as exc:
+        pytest.skip(str(exc))
     try:
         try:
             n.up()
