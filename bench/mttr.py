@@ -41,6 +41,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import shutil
 import signal
 import sys
@@ -272,9 +273,11 @@ class PoisonRequest:
 def run_class(stack: ServeStack, fault: str, reps: int, load: ClosedLoopLoad, reference: list[str],
               poison_body: dict | None, log: Callable[[str], None]) -> list[Run]:
     runs = []
+    rng = random.Random(f"{fault}")
     for rep in range(reps):
         prepare(stack, fault)
         load.wait_done(len(load.records) + load.num_streams, timeout_s=SERVICE_WAIT_S)  # steady
+        time.sleep(rng.uniform(0.0, 1.0))  # a moment of the load's own, not just after a completion
         n0 = len(load.records)
         t_fault, what, gone = inject(stack, fault, rep, poison_body)
         detail: dict = {}

@@ -160,9 +160,14 @@ class Supervisor:
         if slot.key != FRONTEND_KEY and not self._frontend_up():
             slot.state, slot.reason = SlotState.WAITING, "waiting for the frontend"
             return
-        if slot.key != FRONTEND_KEY and self.ep is not None and slot.num_starts > 0:
-            # EP: a restarted rank takes the group's KV figure instead of profiling again.
-            slot.extra_config = self.ep.reused_kv_config(self._kv_figures(but=slot)) or slot.extra_config
+        if slot.key != FRONTEND_KEY and slot.num_starts > 0:
+            # A restarted engine takes the serving engines' KV figure (in EP also the group's
+            # published one) instead of profiling again: the same model on the same host.
+            figures = self._kv_figures(but=slot)
+            if self.ep is not None:
+                slot.extra_config = self.ep.reused_kv_config(figures) or slot.extra_config
+            elif figures and not {"num_kv_blocks", "kv_cache_bytes"} & set(self.config.engine_config):
+                slot.extra_config = {**slot.extra_config, "kv_cache_bytes": min(figures), "kv_source": "reused"}
         slot.num_starts += 1
         spec = (self.launcher.frontend(len(self.engines)) if slot.key == FRONTEND_KEY
                 else self.launcher.engine(slot.engine_id, slot.extra_config, num_engines=len(self.engines)))

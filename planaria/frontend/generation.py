@@ -83,7 +83,8 @@ class Generator:
         self._clock = clock
         self.journal = journal if journal is not None else RequestJournal(
             clock=clock, cause_of=getattr(client, "death_causes", {}).get,  # pid -> cause
-            suspects_of=getattr(client, "death_suspects", {}).get)  # pid -> flight record
+            suspects_of=getattr(client, "death_suspects", {}).get,  # pid -> flight record
+            num_healthy=lambda: sum(1 for e in client.engines if e.healthy))
         self.replay_wait_s = replay_wait_s
         listeners = getattr(client, "loss_listeners", None)
         if listeners is not None:  # the death notice's own time starts the replay clock

@@ -67,8 +67,10 @@ DEATH_TIME_SLACK_S = 0.25
 # the cause of the death (a crash counts, a kill from outside does not) before it is decided.
 HOLD_FOR_CAUSE_S = 2.0
 # Several requests pinned by one crash are replayed this far apart (in their flight-record
-# order), so the next crash, if one of them is a poison, names it alone.
+# order), so the next crash, if one of them is a poison, names it alone; and not before two
+# engines serve (for at most SUSPECT_WAIT_S), so that crash leaves a survivor for the rest.
 SUSPECT_STAGGER_S = 0.3
+SUSPECT_WAIT_S = 60.0
 REPLAY_ID_SEP = "~r"
 
 
@@ -126,7 +128,8 @@ class RequestJournal:
                  clock: Callable[[], float] = time.monotonic,
                  quarantine_after: int = DEFAULT_QUARANTINE_AFTER,
                  cause_of: Callable[[int], str | None] = lambda pid: None,
-                 suspects_of: Callable[[int], list[str] | None] = lambda pid: None) -> None:
+                 suspects_of: Callable[[int], list[str] | None] = lambda pid: None,
+                 num_healthy: Callable[[], int] = lambda: 2) -> None:
         if max_replays < 0:
             raise ValueError(f"max_replays must be >= 0, got {max_replays}")
         if quarantine_after < 0:
@@ -135,6 +138,9 @@ class RequestJournal:
         self.quarantine_after = quarantine_after
         self._cause_of = cause_of  # engine pid -> "external" | "fault" | None (not known)
         self._suspects_of = suspects_of  # engine pid -> its flight record's first-step requests
+        self._num_healthy = num_healthy  # engines serving now
+        self._two_since: float | None = None  # since when two engines serve (_two_serving_since)
+        self._seen_fewer = False
         self._clock = clock
         self._entries: dict[str, JournalEntry] = {}
         self.num_replays_total = 0
@@ -228,6 +234,16 @@ class RequestJournal:
         if entry.lost_at_s is None:
             entry.lost_at_s = now
 
+    def _two_serving_since(self, now: float) -> float | None:
+        """Since when (journal clock) two or more engines serve, as seen from the calls made
+        here; None while fewer do."""
+        if self._num_healthy() < 2:
+            self._two_since = None
+        elif self._two_since is None:
+            self._two_since = now if self._seen_fewer else 0.0  # never seen fewer: since always
+        self._seen_fewer = self._seen_fewer or self._two_since is None
+        return self._two_since
+
     @staticmethod
     def _died_before_sent(entry: JournalEntry) -> bool:
         """The engine was (very likely) dead before this incarnation reached it: its death was
@@ -261,8 +277,13 @@ class RequestJournal:
             # Several requests started in the batch that crashed: replayed together, they
             # would crash the next engine together again. Each waits its turn (after the
             # death's bystanders, which go at once), so the next crash names one alone.
-            turn = entry.lost_at_s + SUSPECT_STAGGER_S * (1 + suspects.index(entry.lost_incarnation))
-            if now < turn:
+            order = 1 + suspects.index(entry.lost_incarnation)
+            waited_out = now >= entry.lost_at_s + SUSPECT_WAIT_S
+            two = self._two_serving_since(now)
+            if two is None and not waited_out:
+                return Hold(min(now + SUSPECT_STAGGER_S, entry.lost_at_s + SUSPECT_WAIT_S))
+            turn = max(entry.lost_at_s, two or 0.0) + SUSPECT_STAGGER_S * order
+            if now < turn and not waited_out:
                 return Hold(turn)
         # Deaths from outside (a SIGKILL that was not the engine's crash, a stopped process
         # the watchdog killed) are not the request's doing and do not count. A death's

@@ -574,3 +574,26 @@ def test_a_stop_that_ends_in_time_or_the_watch_turned_off_kills_nothing():
         clock2.t += 1.0
         off.tick()
     assert not any(c.signals for c in spawner2.children)
+
+
+def test_a_restarted_replica_engine_takes_the_serving_engines_kv_figure():
+    """No second memory profile for the same model on the same host (seconds of an engine's
+    restart): a replica engine that died restarts with the figure the others serve with."""
+    import json
+
+    sup, spawner, clock, _n, _d = make(2)
+    beat(sup, 0, step=1, kv=6 << 20, source="profiled")
+    beat(sup, 1, step=1, kv=6 << 20, source="profiled")
+    die(sup, engine_child(spawner, 0))
+    clock.t += 5.0
+    sup.tick()
+    argv = engine_child(spawner, 0).spec.argv
+    config = json.loads(argv[argv.index("--config-json") + 1])
+    assert config["kv_cache_bytes"] == 6 << 20 and config["kv_source"] == "reused"
+    given, spawner2, clock2, _n2, _d2 = make(2, engine_config={"kv_cache_bytes": 1 << 20})
+    beat(given, 1, step=1, kv=1 << 20, source="given")
+    die(given, engine_child(spawner2, 0))
+    clock2.t += 5.0
+    given.tick()
+    argv = engine_child(spawner2, 0).spec.argv
+    assert "kv_source" not in json.loads(argv[argv.index("--config-json") + 1])  # the operator's figure stands

@@ -14,8 +14,8 @@ from planaria.engine.messages import EngineCoreOutput, EngineCoreRequest, Logpro
 from planaria.engine.sampling_params import SamplingParams
 from planaria.frontend.errors import ServiceUnavailableError
 from planaria.frontend.generation import Generator
-from planaria.frontend.journal import (HOLD_FOR_CAUSE_S, SUSPECT_STAGGER_S, FailRequest, Hold, Replay, RequestJournal,
-                                      replay_request)
+from planaria.frontend.journal import (HOLD_FOR_CAUSE_S, SUSPECT_STAGGER_S, SUSPECT_WAIT_S, FailRequest, Hold, Replay,
+                                      RequestJournal, replay_request)
 from planaria.frontend.metrics import FrontendMetrics
 
 
@@ -625,3 +625,28 @@ def test_several_pinned_requests_are_replayed_one_turn_apart():
     assert isinstance(j.decide("x"), Replay) and isinstance(j.decide("y"), Hold)
     clock.now_s = lost + 2 * SUSPECT_STAGGER_S
     assert isinstance(j.decide("y"), Replay)
+
+
+def test_pinned_requests_of_a_crash_wait_for_two_engines_before_their_replay():
+    """With one engine left (the crashed one restarting), a replayed poison would take the
+    last engine and every stream on it down: the pinned requests wait until two serve, so
+    the next crash, naming the poison alone, leaves a survivor; bystanders go at once."""
+    clock, causes, suspects, healthy = Clock(), {}, {}, [1]
+    j = RequestJournal(clock=clock, cause_of=causes.get, suspects_of=suspects.get, num_healthy=lambda: healthy[0])
+    _on_engine(j, ["x", "y", "bystander"], 0, pid=100)
+    suspects[100], causes[100] = ["x", "y"], "fault"
+    assert isinstance(j.decide("bystander"), Replay)
+    clock.now_s += 5.0  # their turns have come, but one engine serves
+    assert isinstance(j.decide("x"), Hold) and isinstance(j.decide("y"), Hold)
+    healthy[0] = 2  # the crashed one is back: one at a time again, from now
+    back = clock.now_s
+    assert j.decide("x") == Hold(back + SUSPECT_STAGGER_S) and j.decide("y") == Hold(back + 2 * SUSPECT_STAGGER_S)
+    clock.now_s = back + SUSPECT_STAGGER_S
+    assert isinstance(j.decide("x"), Replay) and isinstance(j.decide("y"), Hold)
+    clock.now_s = back + 2 * SUSPECT_STAGGER_S
+    assert isinstance(j.decide("y"), Replay)
+    _on_engine(j, ["z"], 1, pid=101)
+    suspects[101], causes[101] = ["z", "w"], "fault"
+    healthy[0] = 1
+    clock.now_s += SUSPECT_WAIT_S + 1  # never two again: it goes after the wait
+    assert isinstance(j.decide("z"), Replay)
