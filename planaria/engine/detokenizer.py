@@ -6,8 +6,12 @@ text already produced, kept as left context so that the tokenizer's merging and 
 rules see what precedes the new tokens; ``decode(window) - decode(prefix)`` is the new
 text. While the window's text ends in U+FFFD (an incomplete UTF-8 sequence from byte-level
 BPE) the characters before it are released but the offsets stay put, so the next token
-re-decodes the split character whole. (A long run of tokens that all end mid-character,
-e.g. CJK under a tokenizer that splits its bytes, widens the window until the run ends.)
+re-decodes the split character whole. The window never grows without bound: tokens that
+never complete a character (a lone lead byte, again and again: ``allowed_token_ids`` can
+force it) would make each token re-decode everything since the last whole character,
+quadratic work on the frontend's event loop; past a few pending tokens the offsets move
+behind the last token (``_commit_behind_last_token``), so every token costs a bounded
+decode.
 
 Stop strings are searched only where a new character could complete one. ``get_delta_text``
 holds back the tail that may still turn into a stop string (unless the stop string is to be
@@ -21,6 +25,11 @@ from planaria.engine.sampling_params import SamplingParams
 # Tokens of prompt kept as left context for the first output tokens (as vLLM).
 _PROMPT_CONTEXT_TOKENS = 5
 _REPLACEMENT = "\ufffd"
+# Pending tokens (after the last whole character) before the window is cut behind its last
+# token: a UTF-8 character has at most 4 bytes, so more than 4 tokens that end mid-character
+# are invalid bytes or a run of tokens split across characters.
+_MAX_PENDING_TOKENS = 4
+_MAX_WINDOW_TOKENS = 32
 
 
 def _decode_fn(tokenizer, skip_special_tokens: bool):
@@ -95,8 +104,9 @@ class IncrementalDetokenizer:
     # -- internals -----------------------------------------------------------------------
     def _decode_window(self, force: bool) -> str:
         """New text from the window ``prefix_offset..``. Characters before a trailing
-        incomplete one are released at once; the offsets move only when the window ends on
-        a whole character, so ``read_offset`` is always a clean boundary."""
+        incomplete one are released at once; the offsets move when the window ends on a
+        whole character, or, once more than ``_MAX_PENDING_TOKENS`` tokens wait, at the
+        last token boundary that the text no longer changes behind (bounded: below)."""
         if len(self._ids) == self._read_offset:
             return ""
         text = self._decode(self._ids[self._prefix_offset:])
@@ -106,10 +116,50 @@ class IncrementalDetokenizer:
         delta = text[start:end] if end > start else ""
         self._num_window_chars += len(delta)
         if clean:
-            self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
-            self._prefix_text = self._decode(self._ids[self._prefix_offset:self._read_offset])
-            self._num_window_chars = 0
+            self._commit(len(self._ids))
+        elif len(self._ids) - self._read_offset > _MAX_PENDING_TOKENS:
+            delta += self._commit_behind_last_token(text)
         return delta
+
+    def _commit(self, boundary: int) -> None:
+        self._prefix_offset, self._read_offset = self._read_offset, boundary
+        self._prefix_text = self._decode(self._ids[self._prefix_offset:self._read_offset])
+        self._num_window_chars = 0
+
+    def _commit_behind_last_token(self, text: str) -> str:
+        """A window that keeps ending in U+FFFD. A trailing incomplete character spans at
+        most 3 bytes, so with more tokens pending, some of the U+FFFD before it are invalid
+        bytes that no later token can change (a lone lead byte, again and again). A token
+        boundary ``b`` among the last three is a character boundary when the window's text
+        is the text before ``b`` followed by the text from ``b`` (a boundary inside a
+        character decodes both halves to U+FFFD, so the sum differs): there the text is
+        final, the offsets move, and the window stops growing. A run of tokens that never
+        ends on a character boundary (possible only by choice of token ids, or a decoder
+        whose pieces do not add up) is cut at the last token after ``_MAX_WINDOW_TOKENS``
+        (a character split there comes out as U+FFFD). Either way each token costs a
+        bounded window, never a decode of everything since the last whole character.
+        Returns the text this releases."""
+        for back in (1, 2, 3):
+            boundary = len(self._ids) - back
+            if boundary <= self._read_offset:
+                break
+            head = self._decode(self._ids[self._prefix_offset:boundary])
+            if head + self._decode(self._ids[boundary:]) == text:
+                break
+        else:
+            boundary = -1
+        if boundary <= self._read_offset:
+            if len(self._ids) - self._read_offset <= _MAX_WINDOW_TOKENS:
+                return ""
+            boundary = len(self._ids) - 1
+            head = self._decode(self._ids[self._prefix_offset:boundary])
+        released = len(self._prefix_text) + self._num_window_chars
+        extra = head[released:]
+        self._commit(boundary)
+        # characters past `head` already released (before the trailing U+FFFD) belong to
+        # the new window's pending part
+        self._num_window_chars = max(0, released - len(head))
+        return extra
 
     def _append(self, delta: str) -> str | None:
         if not delta:

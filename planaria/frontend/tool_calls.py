@@ -25,6 +25,7 @@ on its own (``"stop"``); ``"length"`` stays ``"length"``.
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -92,8 +93,9 @@ class AutoToolCalls(_WholeCalls):
         self._sent = 0  # content sent up to here
 
     def feed(self, text: str, finished: bool) -> ToolDelta:
+        seen = len(self._text)
         self._text += text
-        pieces, self._pos = self.parser.split(self._text, self._pos, finished)
+        pieces, self._pos = self.parser.split(self._text, self._pos, finished, seen)
         out = ToolDelta()
         for piece in pieces:
             if isinstance(piece, ParsedToolCall):
@@ -141,32 +143,89 @@ class NamedToolCall:
 
 
 class RequiredToolCalls(_WholeCalls):
+    """The JSON array is scanned once, character by character in effect (a regex jumps to
+    the next quote, backslash or bracket): the depth of the element being written is
+    kept, and an element is decoded once, when its brackets close. (Decoding the element
+    from its start at every token was quadratic in its length.) An element that is not
+    a call object, or not valid JSON, ends the calls: nothing after it is a call."""
+
+    _SPECIAL = re.compile(r'["\\{}\[\]]')
+
     def __init__(self) -> None:
         super().__init__()
         self._text = ""
         self._pos = 0  # where the next array element (or the array) begins
         self._decoder = json.JSONDecoder()
         self._content: str | None = None
+        self._element: int | None = None  # where the element being written begins
+        self._scan = 0  # scanned up to here
+        self._depth = 0
+        self._in_string = False
+        self._escaped = False
+        self._dead = False  # an element was not a call: no more calls
 
     def feed(self, text: str, finished: bool) -> ToolDelta:
         self._text += text
         out = ToolDelta()
-        while True:
-            pos = self._skip(self._pos)
-            if pos < len(self._text) and self._text[pos] in "[,":
-                pos = self._skip(pos + 1)
-            try:
-                obj, end = self._decoder.raw_decode(self._text, pos)
-            except (ValueError, RecursionError):  # not complete (yet)
+        while not self._dead:
+            if self._element is None:
+                pos = self._skip(self._pos)
+                if pos < len(self._text) and self._text[pos] in "[,":
+                    pos = self._skip(pos + 1)
+                if pos >= len(self._text):
+                    break
+                if self._text[pos] not in "{[":
+                    self._dead = True  # a string, a number, a stray bracket: not a call
+                    break
+                self._element, self._scan, self._depth = pos, pos, 0
+                self._in_string = self._escaped = False
+            end = self._scan_element()
+            if end is None:
                 break
-            call = call_from_obj(obj)
+            call = None
+            try:
+                obj, end = self._decoder.raw_decode(self._text, self._element)
+                call = call_from_obj(obj)
+            except (ValueError, RecursionError):
+                pass
+            self._element = None
             if call is None:
+                self._dead = True
                 break
             out.tool_calls.append(self.add(call))
             self._pos = end
         if finished and not self.calls and self._text.strip():
             self._content = out.content = self._text
         return out
+
+    def _scan_element(self) -> int | None:
+        """Scan on from ``_scan``; the end of the element when its brackets close."""
+        text, pos = self._text, self._scan
+        if self._escaped and pos < len(text):
+            self._escaped, pos = False, pos + 1
+        while True:
+            m = self._SPECIAL.search(text, pos)
+            if m is None:
+                self._scan = len(text)
+                return None
+            ch, pos = m.group(), m.end()
+            if self._in_string:
+                if ch == "\\":
+                    if pos >= len(text):
+                        self._escaped, self._scan = True, pos
+                        return None
+                    pos += 1
+                elif ch == '"':
+                    self._in_string = False
+            elif ch == '"':
+                self._in_string = True
+            elif ch in "{[":
+                self._depth += 1
+            elif ch in "}]":
+                self._depth -= 1
+                if self._depth == 0:
+                    self._scan = pos
+                    return pos
 
     def _skip(self, pos: int) -> int:
         while pos < len(self._text) and self._text[pos].isspace():

@@ -45,9 +45,12 @@ class ParsedOutput:
 
 
 class ToolCallParser(Protocol):
-    def split(self, text: str, start: int, final: bool) -> tuple[list[Piece], int]:
+    def split(self, text: str, start: int, final: bool, seen: int = 0) -> tuple[list[Piece], int]:
         """The pieces of ``text[start:end]`` and ``end``; ``text[end:]`` is held back (only
-        when not ``final``) because it may still become part of a call."""
+        when not ``final``) because it may still become part of a call. ``seen``: the
+        length of the text at the previous call (which returned ``start``); the text
+        before it is unchanged, so a search for a marker may resume near it instead of
+        scanning the held-back part again (streaming stays linear in the output)."""
         ...
 
 
@@ -94,11 +97,15 @@ def partial_suffix(text: str, start: int, marker: str) -> int:
 class HermesToolParser:
     OPEN, CLOSE = "<tool_call>", "</tool_call>"
 
-    def split(self, text: str, start: int, final: bool) -> tuple[list[Piece], int]:
+    def split(self, text: str, start: int, final: bool, seen: int = 0) -> tuple[list[Piece], int]:
         pieces: list[Piece] = []
         pos = start
         while True:
-            open_at = text.find(self.OPEN, pos)
+            # a marker that ends past `seen` begins at most len(marker) - 1 before it
+            if pos == start and not text.startswith(self.OPEN, pos):
+                open_at = text.find(self.OPEN, max(pos, seen - len(self.OPEN) + 1))
+            else:
+                open_at = text.find(self.OPEN, pos)
             if open_at < 0:
                 end = len(text) if final else len(text) - partial_suffix(text, pos, self.OPEN)
                 if end > pos:
@@ -107,7 +114,8 @@ class HermesToolParser:
             if open_at > pos:
                 pieces.append(text[pos:open_at])
             body_at = open_at + len(self.OPEN)
-            close_at = text.find(self.CLOSE, body_at)
+            resume = seen - len(self.CLOSE) + 1 if open_at == start else 0
+            close_at = text.find(self.CLOSE, max(body_at, resume))
             if close_at < 0:
                 if not final:
                     return pieces, open_at

@@ -180,3 +180,56 @@ def test_flush_releases_an_unfinished_character(tokenizer):
     assert det.get_delta_text() == "ok"
     assert det.flush().endswith("\ufffd")
     assert det.output_text == raw.decode(ids[:cut])
+
+
+def _byte_token_ids(tokenizer) -> dict[int, int]:
+    """byte -> the id of the byte-level token that is that byte alone."""
+    # GPT-2's byte -> printable character map, the one pre_tokenizers.ByteLevel uses
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[b] = chr(b)
+        else:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return {b: tokenizer.convert_tokens_to_ids(ch) for b, ch in chars.items()}
+
+
+class _Counting:
+    def __init__(self, inner, calls):
+        self.inner, self.calls = inner, calls
+
+    def decode(self, ids, **kw):
+        self.calls.append(len(ids))
+        return self.inner.decode(ids, **kw)
+
+
+@pytest.mark.parametrize("pattern", [[0xE4], [0xE4, 0xB8], [0xF0, 0x9F, 0x98]])
+def test_tokens_that_never_complete_a_character_cost_a_bounded_window(tokenizer, pattern):
+    """allowed_token_ids of one lone lead byte, ignore_eos: every token ends mid-character
+    for ever. Each update used to decode everything since the last whole character
+    (quadratic on the event loop: ~100 s for one n=16 request); now a bounded window, and
+    the text is still the whole decode's."""
+    byte_ids = _byte_token_ids(tokenizer)
+    ids = [byte_ids[b] for b in pattern] * (3000 // len(pattern)) + tokenizer.encode(" ok", add_special_tokens=False)
+    calls: list[int] = []
+    det, deltas, _ = _stream(_Counting(tokenizer, calls), [], ids, SamplingParams())
+    assert "".join(deltas) == det.output_text == tokenizer.backend_tokenizer.decode(ids)
+    assert max(calls) <= 48, max(calls)
+
+
+def test_random_bytes_stream_to_the_whole_decode(tokenizer):
+    """Byte tokens of valid and invalid UTF-8 mixed at random: the streamed text equals the
+    whole decode (the window's cut behind the last token never moves a character)."""
+    import random
+
+    rng = random.Random(7)
+    byte_ids = _byte_token_ids(tokenizer)
+    pieces = ["a", "é", "東", "🚀", " ", "x"]
+    for _ in range(30):
+        data = b"".join(rng.choice([rng.choice(pieces).encode(), bytes([rng.choice([0xE4, 0xB8, 0xF0, 0x80, 0xC3])])])
+                        for _ in range(200))
+        ids = [byte_ids[b] for b in data]
+        det, deltas, _ = _stream(tokenizer, [], ids, SamplingParams(), chunk=rng.choice([1, 2, 5]))
+        assert "".join(deltas) == tokenizer.backend_tokenizer.decode(ids)

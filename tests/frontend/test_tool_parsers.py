@@ -184,3 +184,63 @@ def test_the_daemons_list_of_parser_names_matches_the_frontends_parsers():
 
     assert set(BUILTIN_TOOL_CALL_PARSERS) == set(TOOL_CALL_PARSERS)
     assert DEFAULT_TOOL_CALL_PARSER in TOOL_CALL_PARSERS
+
+
+def test_an_unclosed_hermes_call_is_not_searched_again_at_every_token(monkeypatch):
+    """A call opened and never closed: each token used to search the whole call again for
+    its closing tag (quadratic in the call's length on the event loop)."""
+    scanned = []
+    real_find = str.find
+
+    class Text(str):
+        def find(self, sub, start=0, *rest):  # what a search for the closing tag has to read
+            if sub == HermesToolParser.CLOSE:
+                scanned.append(len(self) - start)
+            return real_find(self, sub, start, *rest)
+
+    reader = AutoToolCalls(HERMES)
+    original = HERMES.split
+
+    def split(text, start, final, seen=0):
+        return original(Text(text), start, final, seen)
+
+    monkeypatch.setattr(reader, "parser", type("P", (), {"split": staticmethod(split)})())
+    reader.feed('hi <tool_call>{"name": "f", "arguments": {"x": "', False)
+    for _ in range(5000):
+        reader.feed("ab", False)
+    assert max(scanned[-100:]) <= len(HermesToolParser.CLOSE) + 2
+    assert sum(scanned) < 200_000  # quadratic: ~25 M
+    reader.feed('"}}</tool_call>', True)
+    content, calls = reader.message()
+    assert content == "hi" and calls[0]["function"]["name"] == "f"
+    assert json.loads(calls[0]["function"]["arguments"]) == {"x": "ab" * 5000}
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 7])
+def test_hermes_streamed_with_seen_equals_whole(chunk):
+    text = ('a <tool_call>{"name": "f", "arguments": {}}</tool_call> b <tool_call'
+            '>{"name": "g", "arguments": {"q": "</tool_"}}</tool_call><tool_call>{"bad"</tool_call> end <tool_')
+    reader = AutoToolCalls(HERMES)
+    for i in range(0, len(text), chunk):
+        reader.feed(text[i:i + chunk], i + chunk >= len(text))
+    content, calls = reader.message()
+    whole = parse(HERMES, text)
+    assert [c["function"]["name"] for c in calls] == [c.name for c in whole.calls] == ["f", "g"]
+    assert content == whole.content.strip()
+
+
+def test_a_long_required_call_is_decoded_once(monkeypatch):
+    """tool_choice "required": the array's element used to be decoded from its start at
+    every token."""
+    reader = RequiredToolCalls()
+    decodes = []
+    real = reader._decoder.raw_decode
+    monkeypatch.setattr(reader._decoder, "raw_decode", lambda s, i: decodes.append(i) or real(s, i))
+    reader.feed('[{"name": "f", "arguments": {"x": "', False)
+    for _ in range(5000):
+        reader.feed('a\\"{[', False)
+    out = reader.feed('"}}, {"name": "g", "arguments": {}}', False)
+    assert [c["function"]["name"] for c in out.tool_calls] == ["f", "g"]
+    assert len(decodes) == 2
+    assert json.loads(reader.calls[0]["function"]["arguments"]) == {"x": 'a"{[' * 5000}
+    assert reader.feed(', 3, {"name": "h", "arguments": {}}]', True).tool_calls == []  # 3 is not a call
