@@ -169,6 +169,11 @@ class EngineCore:
         if params.logprobs is not None:
             req.output_logprobs = []
         if params.prompt_logprobs is not None:
+            values = (len(ids) - 1) * (params.prompt_logprobs + 1)
+            if values > prompt_logprobs.MAX_VALUES:
+                raise InvalidRequestError(
+                    f"prompt_logprobs of {len(ids)} prompt tokens with top {params.prompt_logprobs} would send "
+                    f"{values} values in one output; this engine's limit is {prompt_logprobs.MAX_VALUES}")
             req.prompt_logprobs = []  # filled chunk by chunk (engine/prompt_logprobs.py)
         if ecr.structured_output is not None:  # waits as WAITING_FOR_GRAMMAR until compiled
             self.structured.submit(req, ecr.structured_output, ecr.structured_output_prefix_tokens)

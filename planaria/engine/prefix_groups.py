@@ -17,6 +17,10 @@ call, at the front of the queue (they arrived with the leader). What the group p
 with a chunked prompt and a second batch scheduled while the first is in flight, a
 sibling would compute the leader's next chunk itself (tests/engine/test_prefix_groups.py).
 
+A sibling that wants prompt logprobs cannot take cached blocks (every position must run
+through the model), so it never waits; it may lead, though (it computes the prompt and
+its blocks are cached as anyone's): the frontend asks only the first sibling for them.
+
 A waiter is also let go when the leader finished, was aborted or preempted (its blocks
 may be gone; the waiters then simply prefill). A sibling that arrives after its leader's
 prompt was scheduled is admitted at once. Pure Python, like the scheduler that owns it.
@@ -39,12 +43,14 @@ class PrefixGroups:
         """Whether ``req`` (about to join the waiting queue) waits for its group's leader
         instead; the first of a group becomes its leader and is not held."""
         gid = req.group_id
-        if gid is None or req.num_preemptions or req.wants_prompt_logprobs:
+        if gid is None or req.num_preemptions:
             return False
         leader = self._leaders.get(gid)
         if leader is None or leader is req or not _prefilling(leader):
             self._leaders[gid] = req
             return False
+        if req.wants_prompt_logprobs:
+            return False  # runs every prompt position itself: nothing to wait for
         req.status = RequestStatus.WAITING_FOR_PREFIX
         self._waiters.setdefault(gid, []).append(req)
         return True

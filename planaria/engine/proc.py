@@ -62,7 +62,7 @@ from planaria.engine.messages import EngineCoreOutput, EngineCoreOutputs, Engine
 from planaria.engine.proc_entry import json_arg, setup_logging
 from planaria.engine.proc_io import FrontendLink, InputThread, OutputThread, handshake, send_all
 from planaria.engine.wire import (DEFAULT_MAX_MESSAGE_BYTES, PROTOCOL_VERSION, EngineDead, EngineStatus,
-                         MsgType, Ready, UtilityCall, UtilityErrorCode, UtilityResult)
+                         MsgType, Ready, UtilityCall, UtilityErrorCode, UtilityResult, split_outputs)
 
 log = logging.getLogger(__name__)
 
@@ -353,9 +353,14 @@ class EngineCoreProc:
             self._last_stats_sent = now
 
     def _send_outputs(self, slot: int, outputs: list[EngineCoreOutput], stats=None) -> None:
-        self.output_queue.put((slot, MsgType.OUTPUTS, EngineCoreOutputs(
-            engine_index=self.engine_index, outputs=outputs, scheduler_stats=stats,
-            timestamp=time.time())))
+        """One message, or several when the outputs are big (wire.split_outputs: a request's
+        long prompt logprobs never push a message past the frontend's limit, where it would
+        be dropped with every other request's tokens in it); the stats go with the last."""
+        runs = split_outputs(outputs)
+        for i, run in enumerate(runs):
+            self.output_queue.put((slot, MsgType.OUTPUTS, EngineCoreOutputs(
+                engine_index=self.engine_index, outputs=run, scheduler_stats=stats if i == len(runs) - 1 else None,
+                timestamp=time.time())))
 
     # -- carrying out the lifecycle's actions (engine/lifecycle.py) ----------------------------
     def _carry_out(self, actions: list[Action]) -> None:

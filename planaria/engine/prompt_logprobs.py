@@ -29,6 +29,12 @@ from planaria.engine.request import Request
 from planaria.engine.scheduler import ScheduledRequest
 from planaria.kernels.sampling import token_logprobs
 
+# A request's prompt logprobs travel in one output: (prompt tokens - 1) x (top-n + 1)
+# numbers, about 12 bytes each on the wire. Refused past this at admission (the frontend's
+# own limit, RequestLimits.max_prompt_logprob_values, is lower): one output stays far below
+# a message's limit (wire.DEFAULT_MAX_MESSAGE_BYTES), and proc.py splits a step's outputs.
+MAX_VALUES = 4 * 2**20
+
 # slot (index into SchedulerOutput.scheduled) -> (first prompt position, its entries)
 StepPromptLogprobs = dict[int, tuple[int, list[Logprobs]]]
 

@@ -37,11 +37,15 @@ import msgspec
 import numpy as np
 
 from planaria.engine.errors import WireFormatError
-from planaria.engine.messages import EngineCoreOutputs, EngineCoreRequest, Logprobs
+from planaria.engine.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, Logprobs
 
 PROTOCOL_VERSION = 1
 DEFAULT_MAX_MESSAGE_BYTES = 256 * 2**20
 DEFAULT_AUX_MIN_ITEMS = 1024
+# A step's outputs go in messages of about this many bytes at most (split_outputs): one
+# request's big output (prompt logprobs of a long prompt) never takes other requests'
+# tokens with it past a receiver's limit, nor makes one huge allocation.
+OUTPUTS_MESSAGE_BUDGET_BYTES = 16 * 2**20
 
 if sys.byteorder != "little" or array("i").itemsize != 4:  # aux frames are int32 LE
     raise ImportError("engine.wire needs a little-endian platform with a 4-byte C int")
@@ -447,3 +451,30 @@ def recover_call_id(frames: list) -> int | None:
         if isinstance(cid, int) and not isinstance(cid, bool):
             return cid
     return None
+
+
+def output_size(out: EngineCoreOutput) -> int:
+    """An upper estimate of ``out``'s bytes on the wire (msgpack: at most 9 bytes a number)."""
+    size = 128 + len(out.request_id) + 9 * len(out.new_token_ids) + len(out.error or "")
+    for lps in (out.new_logprobs, out.prompt_logprobs):
+        if lps:
+            size += sum(24 + 18 * len(lp.token_ids) for lp in lps)
+    if out.pooled:
+        size += 9 * len(out.pooled)
+    return size
+
+
+def split_outputs(outputs: list[EngineCoreOutput], budget_bytes: int = OUTPUTS_MESSAGE_BUDGET_BYTES
+                  ) -> list[list[EngineCoreOutput]]:
+    """``outputs`` in order, cut into runs of at most ``budget_bytes`` (estimated; an output
+    bigger than that alone makes a run of its own). Nearly every step is one run."""
+    runs: list[list[EngineCoreOutput]] = [[]]
+    size = 0
+    for out in outputs:
+        n = output_size(out)
+        if runs[-1] and size + n > budget_bytes:
+            runs.append([])
+            size = 0
+        runs[-1].append(out)
+        size += n
+    return runs

@@ -32,7 +32,7 @@ class Choice:
     texts: list[str] = field(default_factory=list)
     logprobs: list = field(default_factory=list)
     lp_builder: object = None
-    prompt_logprobs: list | None = None  # vLLM's field, from the first delta
+    prompt: int = 0  # which prompt of the request (completions take several)
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_output_tokens: int = 0
@@ -71,10 +71,25 @@ class _Render:
         self.choices = choices
         self.token_text = token_text
         self.num_prompt_top = num_prompt_top  # vLLM's prompt_logprobs field; None: not shown
+        # per prompt: the engine's entries (one sibling computes them), then the field built
+        # from them once (build_prompt_logprobs, off the event loop) and shared by its choices
+        self._prompt_entries: dict[int, list] = {}
+        self._prompt_logprobs: dict[int, list] = {}
 
     def _take_prompt_logprobs(self, c: Choice, d: GenerationDelta) -> None:
         if d.prompt_logprobs is not None and self.num_prompt_top is not None:
-            c.prompt_logprobs = prompt_logprobs(self.token_text, d.prompt_logprobs, self.num_prompt_top)
+            self._prompt_entries.setdefault(c.prompt, d.prompt_logprobs)
+
+    def build_prompt_logprobs(self) -> None:
+        """vLLM's ``prompt_logprobs`` field of each prompt, from its entries: once per prompt
+        (its n choices share the list), called off the event loop before the body is built
+        (a long prompt's entries make tens of thousands of dicts)."""
+        for i, entries in self._prompt_entries.items():
+            if i not in self._prompt_logprobs:
+                self._prompt_logprobs[i] = prompt_logprobs(self.token_text, entries, self.num_prompt_top)
+
+    def prompt_logprobs_of(self, c: Choice) -> list | None:
+        return self._prompt_logprobs.get(c.prompt)
 
 
 class CompletionRender(_Render):
@@ -111,7 +126,7 @@ class CompletionRender(_Render):
     def final(self, c: Choice) -> dict:
         lp = merge_completion_logprobs(c.logprobs) if c.lp_builder is not None else None
         choice = R.completion_choice(c.index, "".join(c.texts), lp, c.finish_reason, c.stop_reason)
-        choice["prompt_logprobs"] = c.prompt_logprobs
+        choice["prompt_logprobs"] = self.prompt_logprobs_of(c)
         return choice
 
     def body(self, response_id: str, created: int, model: str, choices: list[dict], usage: dict,
@@ -164,4 +179,4 @@ class ChatRender(_Render):
     def body(self, response_id: str, created: int, model: str, choices: list[dict], usage: dict,
              weight_version: str | None) -> dict:
         return R.chat_completion(response_id, created, model, choices, usage, weight_version,
-                                 prompt_logprobs=self.choices[0].prompt_logprobs if self.choices else None)
+                                 prompt_logprobs=self._prompt_logprobs.get(0))

@@ -87,6 +87,22 @@ def _prompt_logprobs(req: _CommonRequest, logprobs: int | None, max_logprobs: in
     return n
 
 
+def check_prompt_logprobs_size(num_top: int | None, prompt_lens: list[int], copies: int,
+                               limits: RequestLimits) -> None:
+    """Prompt logprobs cost (prompt tokens - 1) x (top-n + 1) numbers per prompt, in the
+    engine's output message, the frontend's memory and the body; ``copies``: the engine
+    requests per prompt that each compute them (an echo with logprobs and n > 1)."""
+    if num_top is None:
+        return
+    values = copies * (num_top + 1) * sum(max(0, n - 1) for n in prompt_lens)
+    if values > limits.max_prompt_logprob_values:
+        raise RequestError(
+            f"prompt_logprobs of {sum(prompt_lens)} prompt tokens with top {num_top}"
+            + (f" for {copies} choices each" if copies > 1 else "")
+            + f" would return {values} values; the limit is {limits.max_prompt_logprob_values}: "
+            "ask for fewer top logprobs, fewer choices or a shorter prompt", param="prompt_logprobs")
+
+
 def _check_sizes(stop: list[str], stop_token_ids: list[int], limits: RequestLimits) -> None:
     if len(stop) > limits.max_stop:
         raise RequestError(f"stop holds at most {limits.max_stop} strings, got {len(stop)}", param="stop")

@@ -155,3 +155,34 @@ def test_utility_result_code_is_backward_compatible(payload, code):
 def test_utility_error_codes_are_lowercase_wire_strings():
     assert {c.value for c in UtilityErrorCode} == {"unknown_method", "bad_argument", "bad_state",
                                                   "conflict", "permission", "internal"}
+
+
+def test_a_step_with_big_prompt_logprobs_goes_in_messages_under_the_receivers_limit():
+    """Two requests finish their prefill in one step with prompt logprobs of long prompts,
+    a third gets an ordinary token: sent as one message the step passed the frontend's
+    limit and the frontend dropped it whole (the third request's token lost with it). Split
+    as proc.py sends them, every message decodes and every output arrives, in order."""
+    from planaria.engine.wire import WireDecoder, WireEncoder, output_size, split_outputs
+
+    def big(rid: str) -> EngineCoreOutput:
+        entries = [Logprobs(token_ids=list(range(21)), logprobs=[-1.5] * 21, sampled_rank=3) for _ in range(40_000)]
+        return EngineCoreOutput(request_id=rid, new_token_ids=[7], prompt_logprobs=entries)
+
+    outputs = [big("a"), big("b"), EngineCoreOutput(request_id="c", new_token_ids=[9])]
+    limit = 12 * 2**20
+    enc, dec = WireEncoder(), WireDecoder(FRONTEND_INPUT_TYPES, max_message_bytes=limit)
+    whole = enc.encode(MsgType.OUTPUTS, EngineCoreOutputs(outputs=outputs))
+    assert sum(len(f) for f in whole) > limit  # as one message: refused, all three lost
+    with pytest.raises(WireFormatError):
+        dec.decode(whole)
+    runs = split_outputs(outputs, budget_bytes=10 * 2**20)
+    assert len(runs) == 3
+    got = []
+    for run in runs:
+        frames = enc.encode(MsgType.OUTPUTS, EngineCoreOutputs(outputs=run))
+        assert sum(len(f) for f in frames) <= min(limit, sum(output_size(o) for o in run))
+        _, msg = dec.decode(frames)
+        got += msg.outputs
+    assert [o.request_id for o in got] == ["a", "b", "c"] and got[2].new_token_ids == [9]
+    assert got[0].prompt_logprobs[-1].sampled_rank == 3
+    assert split_outputs([]) == [[]] and len(split_outputs(outputs[2:])) == 1

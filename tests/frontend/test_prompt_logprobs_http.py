@@ -175,3 +175,55 @@ def test_prompt_logprobs_refusals_name_the_field(stack):
 
     params = [e["param"] for e in run(main())]
     assert params == ["prompt_logprobs", "prompt_logprobs", "logprobs"]
+
+
+def _prefill_tokens(stack) -> float:
+    import urllib.request
+
+    with urllib.request.urlopen(f"{stack.base}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("planaria_engine_prefill_tokens"))
+
+
+def test_n_choices_compute_prompt_logprobs_once_and_share_the_prefill(stack, hf):
+    """n = 4 with prompt_logprobs: one sibling computes them (the others take the prompt
+    from the prefix cache, as without prompt logprobs), every choice shows the same list.
+    Each sibling used to prefill the whole prompt and compute them again (4x the work, and
+    4 copies of the entries in one outputs message)."""
+    import time
+
+    tok, ref_of = hf
+    ids = _ids(300, seed=11)  # 300 tokens: ten 32-token chunks
+
+    async def main():
+        async with oai(stack) as c:
+            return (await c.completions.create(model="tiny-moe", prompt=ids, max_tokens=2, n=4, temperature=1,
+                                               seed=5, extra_body={"prompt_logprobs": 2})).model_dump()
+
+    time.sleep(1.0)  # the stats of earlier tests' requests reach /metrics
+    before = _prefill_tokens(stack)
+    r = run(main())
+    time.sleep(1.5)
+    prefilled = _prefill_tokens(stack) - before
+    assert len(r["choices"]) == 4
+    first = r["choices"][0]["prompt_logprobs"]
+    check_vllm_field(first, ids, ref_of(ids), tok, 2)
+    assert all(ch["prompt_logprobs"] == first for ch in r["choices"])
+    assert prefilled < 2 * len(ids), f"{prefilled} prompt tokens prefilled for n = 4 of {len(ids)}"
+
+
+def test_prompt_logprobs_beyond_the_value_limit_are_a_400(stack):
+    """(prompt tokens - 1) x (top + 1) x choices over RequestLimits.max_prompt_logprob_values
+    (262144): two 500-token prompts of 16 choices each echoed with top 20 logprobs is
+    2 x 16 x 499 x 21 = 335328."""
+    async def main():
+        async with oai(stack) as c:
+            with pytest.raises(openai.BadRequestError) as ei:
+                await c.completions.create(model="tiny-moe", prompt=[_ids(500, seed=1), _ids(500, seed=2)],
+                                           max_tokens=2, n=16,
+                                           echo=True, logprobs=20)
+            return ei.value.body
+
+    err = run(main())
+    assert err["param"] == "prompt_logprobs" and "262144" in err["message"]
