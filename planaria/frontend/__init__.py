@@ -11,5 +11,6 @@ through ``engine.client.EngineClient``, detokenizes and streams.
     errors.py      FrontendError tree -> OpenAI error bodies (status, type, param, code)
     metrics.py     Prometheus text exposition, written by hand            pure
     server.py      aiohttp routes and SSE
+    liveness.py    the event loop's beats to the supervisor (a frozen loop is restarted)
     main.py        ``python -m planaria.frontend.main``
 """

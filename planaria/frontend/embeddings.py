@@ -27,6 +27,7 @@ from aiohttp import web
 from planaria.engine.errors import EngineFaultError, NoEngineAvailableError
 from planaria.engine.messages import EngineCoreRequest
 from planaria.engine.sampling_params import SamplingParams
+from planaria.frontend.admission import take_sequences
 from planaria.frontend.errors import (EngineRequestError, GatewayTimeoutError, NotFoundError, RequestError,
                                       ServiceUnavailableError)
 from planaria.frontend.generation import engine_error
@@ -98,6 +99,7 @@ class EmbeddingServing:
         if req.dimensions is not None:
             raise RequestError("dimensions is not supported by this model", param="dimensions")
         inputs = _inputs(req, self.limits.max_embedding_inputs)
+        take_sequences(request, len(inputs))  # each input is one engine request
         token_lists = await self.renderer.run(self._token_lists, inputs, self.max_model_len())
         base = f"embd-{uuid.uuid4().hex}"
         try:

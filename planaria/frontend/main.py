@@ -13,7 +13,8 @@ them in the engines) and the process exits 0.
 
 Limits and protection (defaults in brackets; docs/http_api.md has the whole list):
 ``--max-body-bytes`` [4 MiB], ``--body-read-timeout-s`` [30], ``--keep-alive-timeout-s``
-[75], ``--max-connections`` [1024], ``--max-inflight-requests`` [4 x max_num_seqs x
+[75], ``--max-connections`` [1024], ``--max-connections-per-client`` [64, 0 off],
+``--header-read-timeout-s`` [10], ``--max-inflight-requests`` [4 x max_num_seqs x
 engines], ``--request-timeout-s`` [600], ``--engine-wait-s`` [30], ``--render-timeout-s`` [20] and
 ``--render-threads`` [4]. ``--tool-call-parser`` [hermes] reads tool calls out of
 ``tool_choice: "auto"`` answers (frontend/tool_parsers.py). ``--api-key`` (better: the
@@ -41,6 +42,7 @@ from planaria.frontend.tool_parsers import DEFAULT_TOOL_CALL_PARSER, TOOL_CALL_P
 log = logging.getLogger("frontend")
 
 API_KEY_ENV = "PLANARIA_API_KEY"
+PRIORITY_KEY_ENV = "PLANARIA_PRIORITY_KEY"  # callers presenting it as their bearer token may set priority
 # The default in-flight bound: this many requests per engine batch slot. An engine lets
 # max_num_seqs run and 4 x max_num_seqs wait (EngineConfig.max_num_waiting), so the
 # frontend answers 429 itself before its engines must.
@@ -80,12 +82,24 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"an idle keep-alive connection is closed after this long (default {d.keep_alive_timeout_s:g})")
     p.add_argument("--max-connections", type=int, default=d.max_connections,
                    help=f"open connections beyond this get a 503 and are closed (default {d.max_connections})")
+    p.add_argument("--max-connections-per-client", type=int, default=d.max_connections_per_client,
+                   help=f"open connections from one IP address beyond this get a 503 and are closed; 0 is off "
+                        f"(set 0 behind a reverse proxy: every client has its address) "
+                        f"(default {d.max_connections_per_client})")
+    p.add_argument("--header-read-timeout-s", type=float, default=d.header_read_timeout_s,
+                   help=f"a request head (request line and headers) not complete this long after the "
+                        f"connection's accept, or after its first byte on a kept-alive connection, closes the "
+                        f"connection (408 when part of it came); 0 is off (default {d.header_read_timeout_s:g})")
     p.add_argument("--max-inflight-requests", type=int, default=0,
-                   help=f"generation requests in flight beyond this get a 429 with Retry-After "
+                   help=f"sequences in flight (each request counts one per engine request: prompts x n, "
+                        f"embedding inputs) beyond this get a 429 with Retry-After "
                         f"(default 0: {INFLIGHT_PER_SEQ} x the engines' max_num_seqs x --engines)")
     p.add_argument("--request-timeout-s", type=float, default=d.request_timeout_s,
                    help=f"a request running longer is aborted: 504, or an SSE error event "
                         f"(default {d.request_timeout_s:g})")
+    p.add_argument("--write-timeout-s", type=float, default=d.write_timeout_s,
+                   help="a streaming client that takes no data this long (stopped reading) is cut off, its "
+                        f"request aborted and its slot freed (default {d.write_timeout_s:g})")
     p.add_argument("--render-timeout-s", type=float, default=d.render_timeout_s,
                    help=f"time limit of chat-template rendering and tokenizing, queueing included; "
                         f"503 render_timeout past it (default {d.render_timeout_s:g})")
@@ -99,9 +113,16 @@ def build_parser() -> argparse.ArgumentParser:
                         "prefer the variable: a flag shows in ps)")
     p.add_argument("--api-key-protects-metrics", action="store_true",
                    help="with an API key: /metrics and /ready need it too (default: they are open)")
+    p.add_argument("--allow-client-priority", action="store_true",
+                   help=f"let every caller set a request's priority (default: only callers whose bearer "
+                        f"token is ${PRIORITY_KEY_ENV}; others get 400)")
     p.add_argument("--tool-call-parser", default=DEFAULT_TOOL_CALL_PARSER, choices=[*TOOL_CALL_PARSERS, "none"],
                    help=f"how tool calls are read from tool_choice \"auto\" answers; none: \"auto\" is off "
                         f"(default {DEFAULT_TOOL_CALL_PARSER})")
+    p.add_argument("--liveness-address", default=None,
+                   help="ZMQ address the event loop sends its liveness beats to (the supervisor's; "
+                        "frontend/liveness.py)")
+    p.add_argument("--liveness-interval-s", type=float, default=0.5, help="liveness beat period (default 0.5)")
     return p
 
 
@@ -114,11 +135,15 @@ def server_limits(args: argparse.Namespace, environ=os.environ) -> ServerLimits:
     return ServerLimits(
         max_body_bytes=args.max_body_bytes, body_read_timeout_s=args.body_read_timeout_s,
         keep_alive_timeout_s=args.keep_alive_timeout_s, max_connections=args.max_connections,
+        max_connections_per_client=args.max_connections_per_client,
+        header_read_timeout_s=args.header_read_timeout_s,
         max_inflight_requests=inflight, request_timeout_s=args.request_timeout_s,
+        write_timeout_s=args.write_timeout_s,
         render_timeout_s=args.render_timeout_s, render_threads=args.render_threads,
         engine_wait_s=args.engine_wait_s,
         api_key=args.api_key or environ.get(API_KEY_ENV) or None,
-        api_key_protects_metrics=args.api_key_protects_metrics)
+        api_key_protects_metrics=args.api_key_protects_metrics,
+        allow_client_priority=args.allow_client_priority, priority_key=environ.get(PRIORITY_KEY_ENV) or None)
 
 
 def _default_max_num_seqs() -> int:
@@ -169,12 +194,18 @@ async def serve(args: argparse.Namespace) -> int:
                            shutdown_timeout=1.0, keepalive_timeout=limits.keep_alive_timeout_s)
     await runner.setup()
     host, port = args.http
-    site = CappedTCPSite(runner, host, port, reuse_address=True, max_connections=limits.max_connections)
+    site = CappedTCPSite(runner, host, port, reuse_address=True, max_connections=limits.max_connections,
+                         max_connections_per_client=limits.max_connections_per_client,
+                         header_read_timeout_s=limits.header_read_timeout_s)
     await site.start()
     bound = runner.addresses[0] if runner.addresses else (host, port)
     print(f"planaria frontend: serving {server.serving.model.name} on http://{bound[0]}:{bound[1]}",
           file=sys.stderr, flush=True)
 
+    from planaria.frontend import liveness
+
+    # from here on the loop runs: its beats tell the supervisor it answers (a frozen loop stops them)
+    liveness_tasks = liveness.start(args.liveness_address, args.liveness_interval_s)  # noqa: F841 - held
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -17,11 +17,13 @@ from typing import Annotated, Any
 import msgspec
 
 from planaria.frontend.errors import RequestError
-from planaria.frontend.limits import INT64_MAX, INT64_MIN
+from planaria.frontend.limits import INT64_MAX, INT64_MIN, MAX_REQUEST_ID_CHARS, REQUEST_ID_PATTERN
 
 # Every integer a client sends is a signed 64-bit one (the engine socket's msgpack has no
 # bigger), so ``seed: 2**70`` is a 400 naming ``seed``, not a failure to encode.
 Int = Annotated[int, msgspec.Meta(ge=INT64_MIN, le=INT64_MAX)]
+# echoed in the X-Request-Id header and every chunk: visible ASCII, bounded (limits.py)
+RequestId = Annotated[str, msgspec.Meta(max_length=MAX_REQUEST_ID_CHARS, pattern=REQUEST_ID_PATTERN)]
 
 
 class StreamOptions(msgspec.Struct, kw_only=True):
@@ -64,7 +66,7 @@ class _CommonRequest(msgspec.Struct, kw_only=True):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
-    request_id: str | None = None
+    request_id: RequestId | None = None
 
 
 class CompletionRequest(_CommonRequest, kw_only=True):

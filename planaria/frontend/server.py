@@ -8,11 +8,15 @@
     GET  /ready     200 when at least one engine is running and we are not draining, else 503
     GET  /metrics   Prometheus text
 
-Guards, in the order a request meets them: the connection cap (``http_guard.CappedTCPSite``,
-main.py), the API key on /v1/*, /tokenize and /detokenize (and /metrics, /ready with
-``api_key_protects_metrics``; /health never), the in-flight bound on generation requests
-and /tokenize, /detokenize (429 with Retry-After), the body read (timeout 408, size 413),
-the JSON nesting depth (400). ``limits.ServerLimits`` holds their settings.
+Guards, in the order a request meets them: the connection caps, in all and per client
+address, and the request head's timeout (``http_guard.CappedTCPSite``, main.py), the API
+key on /v1/*, /tokenize and /detokenize (and /metrics, /ready with
+``api_key_protects_metrics``; /health never), the in-flight bound, counted in sequences
+(``admission.py``: one unit on arrival, one per further engine request once the body is
+parsed; 429 with Retry-After), the body read (timeout 408, size 413),
+the JSON nesting depth (400; scanned on a thread for a large body), the body's own fields
+(400, ``request_id`` among them: it is echoed in a header). ``limits.ServerLimits`` holds
+their settings.
 
 ``create_server(client, model_dir, ...)`` builds the real collaborators (tokenizer,
 detokenizer, Generator) in one place; ``FrontendServer`` takes them ready-made, so tests
@@ -30,6 +34,7 @@ from pathlib import Path
 from aiohttp import web
 
 from planaria.frontend import responses as R
+from planaria.frontend.admission import ADMISSION, MAY_SET_PRIORITY, Admission, bearer_matches
 from planaria.frontend.errors import FrontendError, ServiceUnavailableError, TooManyRequestsError, error_body
 from planaria.frontend.generation import Generator
 from planaria.frontend.http_guard import check_api_key, read_body
@@ -44,6 +49,9 @@ log = logging.getLogger(__name__)
 ENGINE_WATCH_INTERVAL_S = 0.5
 RETRY_AFTER_S = 1  # what a 429 tells the client to wait
 KEYED_PATHS = ("/tokenize", "/detokenize")  # outside /v1/ (as vLLM), yet behind the API key
+# A body larger than this has its JSON depth scanned on a thread: 4 MiB takes tens of ms
+# (limits.json_depth), 16 KiB half a millisecond at worst (the hop to a thread ~0.1 ms).
+DEPTH_SCAN_INLINE_BYTES = 2**14
 
 
 class FrontendServer:
@@ -55,7 +63,9 @@ class FrontendServer:
         self.limits = limits
         self.created = R.now_s()
         self.draining = False
-        self.num_in_flight = 0
+        self.num_in_flight = 0  # HTTP requests (draining waits for them)
+        # sequences (engine requests) in flight: the --max-inflight-requests bound
+        self.admission = Admission(limits.max_inflight_requests, on_refused=lambda: metrics.record_error("overloaded"))
         self.embeddings = None  # frontend.embeddings.EmbeddingServing (create_server sets it)
         self.admin = None  # frontend.admin.EngineAdmin (create_server sets it): weight versions
         self.tokens = TokenServing(serving)
@@ -134,23 +144,35 @@ class FrontendServer:
         async def tracked(request: web.Request) -> web.StreamResponse:
             if self.draining:
                 raise ServiceUnavailableError("the server is shutting down", code="draining")
-            if self.num_in_flight >= self.limits.max_inflight_requests:
-                self.metrics.record_error("overloaded")
-                raise TooManyRequestsError(
-                    f"this frontend has its maximum of {self.limits.max_inflight_requests} requests in "
-                    "flight (--max-inflight-requests); retry later", retry_after_s=RETRY_AFTER_S)
+            ticket = self.admission.ticket()
+            ticket.take(1)  # the request itself (429 past the bound); serving takes its further sequences
             self.num_in_flight += 1
             self._idle.clear()
+            request[ADMISSION] = ticket
             try:
+                request[MAY_SET_PRIORITY] = self._may_set_priority(request)
                 body = await read_body(request, self.limits.body_read_timeout_s, self.limits.max_body_bytes)
-                check_json_depth(body, self.serving.limits.max_json_depth)
+                if len(body) > DEPTH_SCAN_INLINE_BYTES:  # numpy releases the GIL: the loop goes on meanwhile
+                    await asyncio.to_thread(check_json_depth, body, self.serving.limits.max_json_depth)
+                else:
+                    check_json_depth(body, self.serving.limits.max_json_depth)
                 return await handler(request)  # request.read() returns the body read here
             finally:
+                ticket.release()
                 self.num_in_flight -= 1
                 if self.num_in_flight == 0:
                     self._idle.set()
 
         return tracked
+
+    def _may_set_priority(self, request: web.Request) -> bool:
+        """A request's ``priority`` moves it ahead of others in the engines' queues: only for
+        callers the operator allows, all (``--allow-client-priority``) or those that present
+        the priority key (``PLANARIA_PRIORITY_KEY``) as their bearer token."""
+        if self.limits.allow_client_priority:
+            return True
+        key = self.limits.priority_key
+        return bool(key) and bearer_matches(request, key)
 
     async def wait_idle(self, timeout_s: float) -> bool:
         """Until no generation request is in flight; False at the timeout."""
@@ -232,7 +254,7 @@ def create_server(client, model_dir: str | Path, served_model_name: str | None =
     renderer = PromptRenderer(tokenizer, limits.render_timeout_s, limits.render_threads)
     serving = OpenAIServing(generator, tokenizer, model, engine_max_model_len, limits=request_limits,
                             renderer=renderer, request_timeout_s=limits.request_timeout_s,
-                            tool_call_parser=tool_call_parser)
+                            write_timeout_s=limits.write_timeout_s, tool_call_parser=tool_call_parser)
     server = FrontendServer(client, serving, metrics, limits)
     from planaria.frontend.admin import EngineAdmin
 

@@ -28,12 +28,14 @@ from aiohttp import web
 from planaria.engine.messages import EngineCoreRequest
 from planaria.engine.sampling_params import sibling_params
 from planaria.frontend import responses as R
+from planaria.frontend.admission import check_priority, take_sequences
 from planaria.frontend.choices import ChatRender, Choice, CompletionRender, best_choices
 from planaria.frontend.errors import FrontendError, GatewayTimeoutError, NotFoundError
 from planaria.frontend.generation import GenerationDelta, Generator
 from planaria.frontend.limits import RequestLimits
 from planaria.frontend.logprobs import TokenTexts
-from planaria.frontend.params import check_bad_words, fit_max_tokens, num_choices, sampling_params, structured_output
+from planaria.frontend.params import (check_bad_words, check_prompt_logprobs_size, fit_max_tokens, num_choices,
+                                      sampling_params, structured_output)
 from planaria.frontend.prompts import Prompt, tokenize_bad_words, tokenize_chat, tokenize_completion
 from planaria.frontend.protocol import ChatCompletionRequest, decode_chat, decode_completion
 from planaria.frontend.render import PromptRenderer
@@ -41,6 +43,7 @@ from planaria.frontend.tool_parsers import get_tool_parser
 from planaria.frontend.tools import ToolPlan, tool_plan
 
 DEFAULT_REQUEST_TIMEOUT_S = 600.0
+DEFAULT_WRITE_TIMEOUT_S = 30.0
 
 _json = msgspec.json.Encoder()
 _END = object()
@@ -62,9 +65,12 @@ class OpenAIServing:
                  engine_max_model_len: Callable[[], int | None] = lambda: None, *,
                  limits: RequestLimits = RequestLimits(), renderer: PromptRenderer | None = None,
                  request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S,
+                 write_timeout_s: float = DEFAULT_WRITE_TIMEOUT_S,
                  tool_call_parser: str | None = "hermes") -> None:
         """``tool_call_parser``: the name of the parser reading calls out of
-        ``tool_choice: "auto"`` answers (frontend/tool_parsers.py); None: "auto" is off."""
+        ``tool_choice: "auto"`` answers (frontend/tool_parsers.py); None: "auto" is off.
+        ``write_timeout_s``: how long one SSE write may wait for a client that does not
+        read (its buffers full) before the request is aborted (``SlowReaderError``)."""
         self.generator = generator
         self.tokenizer = tokenizer
         self.model = model
@@ -73,6 +79,7 @@ class OpenAIServing:
         self.limits = limits
         self.renderer = renderer if renderer is not None else PromptRenderer(tokenizer)
         self.request_timeout_s = request_timeout_s
+        self.write_timeout_s = write_timeout_s
         self.tool_parser = get_tool_parser(tool_call_parser) if tool_call_parser else None
 
     @property
@@ -103,14 +110,24 @@ class OpenAIServing:
                 params, stop_token_ids=params.stop_token_ids | frozenset(self.model.extra_eos_token_ids))
         if best_of > n and params.logprobs is None:
             params = msgspec.structs.replace(params, logprobs=0)  # ranks by the sampled tokens' logprobs
+        # Prompt logprobs are the prompt's, the same for every choice: one sibling (the first,
+        # the group's leader: the others then take its prompt from the prefix cache) computes
+        # them and the render shares them. Only an echo with logprobs puts them in every
+        # choice's own logprobs, so there each sibling asks.
+        echo_logprobs = bool(getattr(req, "echo", False)) and req.logprobs is not None
+        check_prompt_logprobs_size(params.prompt_logprobs, [len(p.token_ids) for p in prompts],
+                                   best_of if echo_logprobs else 1, self.limits)
         arrival = time.monotonic()
         out = []
         for i, p in enumerate(prompts):
             fitted = fit_max_tokens(params, len(p.token_ids), self.max_model_len)
             for j in range(best_of):
+                sp = sibling_params(fitted, j)
+                if j and sp.prompt_logprobs is not None and not echo_logprobs:
+                    sp = msgspec.structs.replace(sp, prompt_logprobs=None)
                 out.append(EngineCoreRequest(
                     request_id=f"{base_id}-{i * best_of + j}", prompt_token_ids=p.token_ids,
-                    sampling_params=sibling_params(fitted, j), eos_token_id=self.model.eos_token_id, arrival_time=arrival,
+                    sampling_params=sp, eos_token_id=self.model.eos_token_id, arrival_time=arrival,
                     priority=req.priority or 0, structured_output=so,
                     group_id=f"{base_id}-{i}" if best_of > 1 else None))
         return out
@@ -127,11 +144,13 @@ class OpenAIServing:
             tokenize_completion, req.prompt, self.renderer.tokenizer, self.model.vocab_size,
             self.limits.max_prompt_chars(self.max_model_len), self.limits.max_prompts)
         response_id = req.request_id or R.new_id("cmpl")
+        check_priority(request, req.priority)
         ecrs = self._engine_requests(req, prompts, R.new_id("cmpl"), structured_output(req),
                                      await self._bad_words(req))
+        take_sequences(request, len(ecrs))
         k = len(ecrs) // len(prompts)  # best_of
         choices = [Choice(i * k + j, len(p.token_ids), prefix=self._echo_text(p) if req.echo else "",
-                          first_prompt_token=p.token_ids[0], counts_prompt=j == 0)
+                          first_prompt_token=p.token_ids[0], counts_prompt=j == 0, prompt=i)
                    for i, p in enumerate(prompts) for j in range(k)]
         render = CompletionRender(choices, self.token_text, req.logprobs, echo=bool(req.echo),
                                   num_prompt_top=None if req.stream else req.prompt_logprobs)
@@ -147,7 +166,9 @@ class OpenAIServing:
                                                 self.limits.max_prompt_chars(self.max_model_len), self.tool_parser)
         response_id = req.request_id or R.new_id("chatcmpl")
         so = tools.structured_output(structured_output(req))
+        check_priority(request, req.priority)
         ecrs = self._engine_requests(req, [prompt], R.new_id("chatcmpl"), so, await self._bad_words(req))
+        take_sequences(request, len(ecrs))
         choices = [Choice(j, len(prompt.token_ids), counts_prompt=j == 0) for j in range(len(ecrs))]
         render = ChatRender(choices, self.token_text, ecrs[0].sampling_params.logprobs,
                             num_prompt_top=None if req.stream else req.prompt_logprobs, tool_calls=tools.output())
@@ -179,6 +200,8 @@ class OpenAIServing:
                     i, d = item
                     render.delta(render.choices[i], d)
                     version = d.weight_version or version
+                if render.num_prompt_top is not None:
+                    await asyncio.to_thread(render.build_prompt_logprobs)
                 cs = render.choices
                 u = _usage(cs)  # best_of: every generated token counts, as OpenAI bills them
                 shown = best_choices(cs, *render.best_of) if render.best_of else cs
@@ -191,15 +214,16 @@ class OpenAIServing:
             continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
             resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                                "X-Request-Id": response_id})
+            out = SSEWriter(request, resp, self.write_timeout_s)
             try:
-                await resp.prepare(request)
+                await out.prepare()
 
                 def running_usage():
                     return _usage(render.choices)
 
                 for choices in render.first_chunks():
-                    await _sse(resp, render.chunk(response_id, created, name, choices,
-                                                  running_usage() if continuous else None, version))
+                    await out.send(render.chunk(response_id, created, name, choices,
+                                                running_usage() if continuous else None, version))
                 try:
                     item = first
                     while item is not _END:
@@ -207,18 +231,17 @@ class OpenAIServing:
                         version = d.weight_version or version
                         choice = render.delta(render.choices[i], d)
                         if choice is not None:
-                            await _sse(resp, render.chunk(response_id, created, name, [choice],
-                                                          running_usage() if continuous else None, version))
+                            await out.send(render.chunk(response_id, created, name, [choice],
+                                                        running_usage() if continuous else None, version))
                         item = await next_delta()
                 except FrontendError as exc:
-                    await _sse(resp, exc.body())
+                    await out.send(exc.body())
                 else:
                     if include_usage:
-                        await _sse(resp, render.chunk(response_id, created, name, [], running_usage(), version))
-                await resp.write(b"data: [DONE]\n\n")
-                await resp.write_eof()
+                        await out.send(render.chunk(response_id, created, name, [], running_usage(), version))
+                await out.finish()
             except ConnectionResetError:
-                pass  # the client went away; leaving the `async with` aborts in the engine
+                pass  # the client went away (or stopped reading); leaving the `async with` aborts in the engine
             return resp
 
     async def _merged(self, ecrs: list[EngineCoreRequest]) -> AsyncIterator[tuple[int, GenerationDelta]]:
@@ -271,5 +294,37 @@ def _usage(choices: list[Choice]) -> dict:
                    sum(c.num_output_tokens for c in choices))
 
 
-async def _sse(resp: web.StreamResponse, obj: dict) -> None:
-    await resp.write(b"data: " + _json.encode(obj) + b"\n\n")
+class SlowReaderError(ConnectionResetError):
+    """The client did not take a write within the write deadline; its connection is gone."""
+
+
+class SSEWriter:
+    """An SSE response whose every write has a deadline. A write waits only when the
+    client's socket and aiohttp's buffer are full, i.e. the client stopped reading; past
+    ``timeout_s`` the connection is dropped (abort: nothing more is flushed to it) and
+    ``SlowReaderError`` raised, so the handler leaves, its engine requests are aborted and
+    its admission slot is freed. (The request deadline covers only the wait for the next
+    token; without this a client that never reads held its slot for ever.)"""
+
+    def __init__(self, request: web.Request, resp: web.StreamResponse, timeout_s: float) -> None:
+        self.request, self.resp, self.timeout_s = request, resp, timeout_s
+
+    async def _bounded(self, aw) -> None:
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                await aw
+        except TimeoutError:
+            transport = self.request.transport
+            if transport is not None:
+                transport.abort()
+            raise SlowReaderError(f"the client took no data for {self.timeout_s:g} s (--write-timeout-s)") from None
+
+    async def prepare(self) -> None:
+        await self._bounded(self.resp.prepare(self.request))
+
+    async def send(self, obj: dict) -> None:
+        await self._bounded(self.resp.write(b"data: " + _json.encode(obj) + b"\n\n"))
+
+    async def finish(self) -> None:
+        await self._bounded(self.resp.write(b"data: [DONE]\n\n"))
+        await self._bounded(self.resp.write_eof())

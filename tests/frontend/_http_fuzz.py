@@ -37,6 +37,7 @@ MAX_TOKENS = 4
 class Case:
     path: str
     body: bytes
+    headers: dict = field(default_factory=dict)  # extra request headers (values may be bytes)
 
 
 @dataclass
@@ -179,12 +180,66 @@ junk_bodies = st.one_of(st.just(b""), st.just(b"   "), st.binary(max_size=64),
 
 GENERATION_ROUTES = ("/v1/chat/completions", "/v1/completions")
 TOKEN_ROUTES = ("/tokenize", "/detokenize")
+EMBEDDING_ROUTES = ("/v1/embeddings",)
 
 
-def cases(routes: tuple[str, ...] = GENERATION_ROUTES + TOKEN_ROUTES) -> st.SearchStrategy[Case]:
-    """Bodies for ``routes`` (/v1/embeddings only where the model is a pooling one)."""
+# -- shapes found by the audits (issue 26): each once cost the frontend its event loop ----
+@st.composite
+def scanner_case(draw, routes: tuple[str, ...]) -> Case:
+    """Bodies aimed at the raw-byte pre-scan: an unclosed string of escaped quotes behind
+    more than 32 brackets (was quadratic), a trailing lone backslash, brackets inside
+    strings, nesting behind strings, a valid body of escaped quotes."""
+    path = draw(st.sampled_from(routes))
+    n = draw(st.sampled_from([100, 5_000, 100_000, 400_000]))
+    depth = draw(st.integers(33, 80))
+    shape = draw(st.sampled_from(["unclosed", "backslash", "brackets_in_strings", "nest_behind", "valid"]))
+    field_name = REQUIRED[path]
+    if shape == "unclosed":
+        body = b"[" * depth + b'"' + b'\\"' * n
+    elif shape == "backslash":
+        body = b"[" * depth + b'"' + b'\\"' * n + b"\\"
+    elif shape == "brackets_in_strings":
+        body = b'{"%s": "%s", "max_tokens": 1}' % (field_name.encode(), b"[{" * n)
+    elif shape == "nest_behind":
+        body = (b'{"%s": "%s", "x": %s%s}' % (field_name.encode(), b'\\"[' * min(n, 1000),
+                                               b"[" * depth, b"]" * depth))
+    else:
+        body = b'{"%s": "%s", "max_tokens": 1}' % (field_name.encode(), b'\\"' * min(n, 20_000))
+    return Case(path, body)
+
+
+@st.composite
+def id_and_header_case(draw, routes: tuple[str, ...], lead_byte_ids: tuple[int, ...]) -> Case:
+    """Huge or control-character request ids, undecodable Authorization headers, and
+    generation that never completes a UTF-8 character (one lone lead byte allowed,
+    ignore_eos, several choices)."""
+    path = draw(st.sampled_from([r for r in routes if r in GENERATION_ROUTES] or list(routes)))
+    body: dict = {REQUIRED[path]: "x" if path != "/v1/chat/completions" else [{"role": "user", "content": "x"}],
+                  "max_tokens": MAX_TOKENS}
+    headers: dict = {}
+    kind = draw(st.sampled_from(["request_id", "authorization", "partial_utf8"]))
+    if kind == "request_id":
+        body["request_id"] = draw(st.one_of(st.integers(300, 200_000).map(lambda n: "r" * n),
+                                            st.sampled_from(["a\r\nX-Injected: 1", "\u0000", "é", " ", "a\nb"]),
+                                            st.text(max_size=30)))
+    elif kind == "authorization":
+        headers["Authorization"] = draw(st.sampled_from([b"Bearer \xff\xfe", b"\xc3\x28", b"Bearer \xe9t\xe9",
+                                                         b"bearer", b"Basic \x80"]))
+    else:
+        ids = list(lead_byte_ids) or [draw(st.integers(0, 500))]
+        body |= {"allowed_token_ids": [draw(st.sampled_from(ids))], "ignore_eos": True,
+                 "n": draw(st.integers(1, 8)), "max_tokens": draw(st.integers(1, 64)),
+                 "stream": draw(st.booleans())}
+    return Case(path, _dumps(body).encode("utf-8", "surrogatepass"), headers)
+
+
+def cases(routes: tuple[str, ...] = GENERATION_ROUTES + TOKEN_ROUTES,
+          lead_byte_ids: tuple[int, ...] = ()) -> st.SearchStrategy[Case]:
+    """Bodies for ``routes`` (/v1/embeddings only where the model is a pooling one).
+    ``lead_byte_ids``: token ids that decode to a lone UTF-8 lead byte (the tokenizer's)."""
     junk = st.builds(Case, st.sampled_from(routes), junk_bodies)
-    return st.one_of(json_case(routes), json_case(routes), json_case(routes), json_case(routes), junk)
+    return st.one_of(json_case(routes), json_case(routes), json_case(routes), json_case(routes), junk,
+                     scanner_case(routes), id_and_header_case(routes, lead_byte_ids))
 
 
 # -- sending and judging ------------------------------------------------------------------
@@ -193,7 +248,7 @@ def send(base: str, case: Case, headers: dict[str, str] | None = None, timeout_s
     conn = http.client.HTTPConnection(url.hostname, url.port, timeout=timeout_s)
     try:
         conn.request("POST", case.path, body=case.body,
-                     headers={"Content-Type": "application/json", **(headers or {})})
+                     headers={"Content-Type": "application/json", **(headers or {}), **case.headers})
         resp = conn.getresponse()
         body = resp.read()
     finally:

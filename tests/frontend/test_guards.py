@@ -13,16 +13,9 @@ import time
 
 import aiohttp
 import pytest
-from aiohttp import web
 
-from planaria.frontend.generation import Generator
-from planaria.frontend.http_guard import CappedTCPSite
-from planaria.frontend.limits import ServerLimits
-from planaria.frontend.metrics import FrontendMetrics
-from planaria.frontend.render import PromptRenderer
-from planaria.frontend.server import FrontendServer
-from planaria.frontend.serving import ModelInfo, OpenAIServing
-from tests.frontend._fakes import EOS, VOCAB, FakeDetokenizer, FakeEngineClient, FakeTokenizer
+from tests.frontend._fake_server import serve_fake
+from tests.frontend._fakes import FakeEngineClient, FakeTokenizer
 
 
 class SlowTemplateTokenizer(FakeTokenizer):
@@ -42,24 +35,8 @@ class SlowTemplateTokenizer(FakeTokenizer):
 
 @contextlib.asynccontextmanager
 async def serve(client: FakeEngineClient, tokenizer=None, render_timeout_s: float = 20.0, **limits):
-    tok = tokenizer or FakeTokenizer()
-    lim = ServerLimits(**limits)
-    metrics = FrontendMetrics("fake")
-    gen = Generator(client, lambda ids, params: FakeDetokenizer(tok, ids, params), metrics)
-    model = ModelInfo(name="fake", path="/models/fake", vocab_size=VOCAB, max_model_len=64, eos_token_id=EOS)
-    serving = OpenAIServing(gen, tok, model, renderer=PromptRenderer(tok, render_timeout_s, 2),
-                            request_timeout_s=lim.request_timeout_s)
-    server = FrontendServer(client, serving, metrics, lim)
-    runner = web.AppRunner(server.build_app(), handler_cancellation=True, access_log=None,
-                           keepalive_timeout=lim.keep_alive_timeout_s)
-    await runner.setup()
-    site = CappedTCPSite(runner, "127.0.0.1", 0, max_connections=lim.max_connections)
-    await site.start()
-    try:
-        yield server, f"http://127.0.0.1:{site.port}", site.port
-    finally:
-        await runner.cleanup()
-        serving.renderer.close()
+    async with serve_fake(client, tokenizer, render_timeout_s, **limits) as s:
+        yield s.server, s.base, s.port
 
 
 def run(coro, timeout_s: float = 60.0):
@@ -193,20 +170,28 @@ def test_slow_body_is_408_and_closed_large_body_413_deep_json_400():
 
 
 def test_connections_beyond_the_cap_are_refused_and_served_ones_go_on():
+    """At the cap with every connection in the middle of a request: the next one is 503
+    and closed, the served ones go on. (An idle or head-less connection would give its
+    slot to the newcomer instead: tests/frontend/test_hostile_http.py.)"""
+    body = json.dumps({"prompt": "x", "max_tokens": 30, "stream": True}).encode()
+    stream = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+              b"Connection: close\r\nContent-Length: %d\r\n\r\n" % len(body)) + body
+
     async def main():
-        async with serve(FakeEngineClient(step_s=0.02), max_connections=3) as (server, base, port):
+        async with serve(FakeEngineClient(step_s=0.05), max_connections=3) as (server, base, port):
             held = [await asyncio.to_thread(_connect, port) for _ in range(3)]
             try:
-                await asyncio.sleep(0.2)  # the three are accepted
+                for sock in held:
+                    sock.sendall(stream)
+                await asyncio.sleep(0.2)  # the three are accepted and streaming
                 extra = await asyncio.to_thread(_connect, port)
                 with extra:
                     reply = await asyncio.to_thread(_read_all, extra)
                 assert reply.startswith(b"HTTP/1.1 503") and b"too_many_connections" in reply
-                # a held connection is still served
-                def request(sock: socket.socket) -> bytes:
-                    sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
-                    return _read_all(sock)
-                assert (await asyncio.to_thread(request, held[0])).startswith(b"HTTP/1.1 200")
+                # the held streams are still served, to their end
+                for sock in held:
+                    answer = await asyncio.to_thread(_read_all, sock)
+                    assert answer.startswith(b"HTTP/1.1 200") and b"data: [DONE]" in answer
             finally:
                 for sock in held:
                     sock.close()
