@@ -135,6 +135,12 @@ def configure_child(level: int | str | None = None, **fields: Any) -> None:
     configure(level=level)
 
 
+def should_log(count: int) -> bool:
+    """For a warning per bad message (the ``count``-th so far): the first 20, then every
+    1000th, so that a flood of them cannot fill the log."""
+    return count <= 20 or count % 1000 == 0
+
+
 def get_logger(name: str | None = None, **bind: Any) -> structlog.stdlib.BoundLogger:
     """A logger whose every line carries ``bind`` (e.g. engine_id=, pid=, rank=)."""
     logger = structlog.stdlib.get_logger(name or "planaria")

@@ -1,5 +1,6 @@
-"""Socket addresses: the one Unix-socket path limit, endpoint spelling, shared socket names;
-and the CurveZMQ settings of the engines' TCP links to extra clients (below).
+"""Socket addresses: the one Unix-socket path limit, endpoint spelling, shared socket names,
+owner-only ipc sockets (``bind_private``); and the CurveZMQ settings of the engines' TCP
+links to extra clients (below).
 
 Linux's ``sockaddr_un.sun_path`` is 108 bytes with the terminating NUL, so a Unix socket
 path may use ``MAX_UNIX_PATH_BYTES`` = 107 bytes (``os.fsencode``: bytes, not characters).
@@ -30,6 +31,28 @@ def check_unix_path(path: str | os.PathLike, what: str = "socket") -> Path:
 def ipc_endpoint(path: str | os.PathLike, what: str = "socket") -> str:
     """``ipc://<path>``, after ``check_unix_path``."""
     return f"ipc://{check_unix_path(path, what)}"
+
+
+def bind_private(sock, endpoint: str) -> None:
+    """``sock.bind(endpoint)``; an ``ipc://`` socket file is its owner's alone (0600), so
+    that no other local user can connect to it (the engines' sockets carry prompts, the
+    daemon's take admin requests and heartbeats).
+
+    The mode is set twice: by a umask of 077 around the bind (ZMQ binds an ipc socket in
+    the calling thread, so the file never exists with looser bits) and by a chmod after
+    it. 077 rather than 177: the umask is the process's, and a directory another thread
+    makes meanwhile must stay enterable by its owner."""
+    if not endpoint.startswith("ipc://"):
+        sock.bind(endpoint)
+        return
+    path = endpoint[len("ipc://"):]
+    old = os.umask(0o077)
+    try:
+        sock.bind(endpoint)
+    finally:
+        os.umask(old)
+    if not path.startswith("@"):  # the abstract namespace has no file
+        os.chmod(path, 0o600)
 
 
 def tcp_endpoint(tcp: str) -> str:

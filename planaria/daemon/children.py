@@ -101,7 +101,7 @@ class PopenChild:
         for tid in tids:
             try:
                 fd = os.pidfd_open(tid, PIDFD_THREAD)
-            except OSError:
+            except (OSError, OverflowError, TypeError):  # the tids come from a heartbeat
                 continue
             # Opened first, checked second: the tid cannot be reused while the pidfd is open.
             if os.path.exists(f"/proc/{self.pid}/task/{tid}"):

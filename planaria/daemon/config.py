@@ -36,6 +36,7 @@ from planaria.daemon.errors import DaemonError
 
 
 API_KEY_ENV = "PLANARIA_API_KEY"
+PRIORITY_KEY_ENV = "PLANARIA_PRIORITY_KEY"  # as the API key: from the environment or env file only
 
 
 class ConfigError(DaemonError):
@@ -54,6 +55,8 @@ class ServeConfig(msgspec.Struct, kw_only=True, frozen=True):
     compile: bool = False  # EngineConfig.compile for every engine (engine/compiled.py)
     hang_timeout_s: float = 30.0
     stopped_timeout_s: float = 0.3  # an engine stopped (SIGSTOP/SIGTSTP) this long is killed; 0: off
+    # the frontend's event loop silent this long (after its first beat) is killed; 0: off
+    frontend_hang_timeout_s: float = 10.0
     heartbeat_interval_s: float = 0.5
     stop_timeout_s: float = 30.0  # SIGTERM, then this long to drain, then SIGKILL
     handshake_timeout_s: float = 120.0
@@ -105,12 +108,17 @@ class ServeConfig(msgspec.Struct, kw_only=True, frozen=True):
     body_read_timeout_s: float = 30.0
     keep_alive_timeout_s: float = 75.0
     max_connections: int = 1024
+    max_connections_per_client: int = 64  # 0: no per-address cap (behind a proxy every client is the proxy)
+    header_read_timeout_s: float = 10.0  # 0: off
     max_inflight_requests: int = 0  # 0: 4 x max_num_seqs x engines
     request_timeout_s: float = 600.0
+    write_timeout_s: float = 30.0
     engine_wait_s: float = 30.0
     render_timeout_s: float = 20.0
     api_key: str = ""  # empty: no key; passed to the frontend as PLANARIA_API_KEY
     api_key_protects_metrics: bool = False
+    allow_client_priority: bool = False  # frontend/admission.py
+    priority_key: str = ""  # callers presenting it as bearer token may set priority; PLANARIA_PRIORITY_KEY
     tool_call_parser: str = "hermes"  # frontend/tool_parsers.py; "none": tool_choice "auto" is off
 
     def validate(self) -> None:
@@ -126,10 +134,13 @@ class ServeConfig(msgspec.Struct, kw_only=True, frozen=True):
             raise ConfigError(f"--http wants HOST:PORT, got {self.http!r}")
         for name in ("hang_timeout_s", "heartbeat_interval_s", "stop_timeout_s",
                      "handshake_timeout_s", "body_read_timeout_s", "keep_alive_timeout_s",
-                     "request_timeout_s", "render_timeout_s", "max_body_bytes", "max_connections",
+                     "request_timeout_s", "write_timeout_s", "render_timeout_s", "max_body_bytes", "max_connections",
                      "engine_wait_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
+        for name in ("max_connections_per_client", "header_read_timeout_s"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name} must be >= 0 (0: off), got {getattr(self, name)}")
         for address in self.extra_client_list():
             if not address.startswith(("ipc://", "tcp://")):
                 raise ConfigError(f"--extra-client-addresses: {address!r} is not an "
@@ -143,6 +154,9 @@ class ServeConfig(msgspec.Struct, kw_only=True, frozen=True):
             raise ConfigError(f"--stopped-timeout-s must be >= 0, got {self.stopped_timeout_s}")
         if self.heartbeat_interval_s * 2 > self.hang_timeout_s:
             raise ConfigError("--hang-timeout-s must be at least twice the heartbeat interval")
+        if self.frontend_hang_timeout_s < 0 or 0 < self.frontend_hang_timeout_s < 2 * self.heartbeat_interval_s:
+            raise ConfigError(f"--frontend-hang-timeout-s must be 0 (off) or at least twice the heartbeat "
+                              f"interval ({self.heartbeat_interval_s:g} s), got {self.frontend_hang_timeout_s:g}")
         if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
             raise ConfigError(f"unknown log level {self.log_level!r}")
         self.restart_policy()  # RestartPolicy validates its own numbers
@@ -164,7 +178,8 @@ class ServeConfig(msgspec.Struct, kw_only=True, frozen=True):
         if (security.tls or security.auth) and not self.etcd_endpoints:
             raise ConfigError("--etcd-ca-cert/--etcd-cert/--etcd-key/--etcd-user/--etcd-password-file "
                               "are for an etcd cluster given with --etcd-endpoints (the embedded one "
-                              "has no TLS or auth)")
+                              "makes its own: STATE_DIR/etcd/root.password, and STATE_DIR/etcd/tls/ "
+                              "beyond loopback)")
         if security.problems():
             raise ConfigError("; ".join(security.problems()))
 
@@ -248,7 +263,8 @@ def _ip(text: str, flag: str) -> str:
 
 
 #: fields a reload applies to the running daemon; the rest need a restart
-LIVE_FIELDS = frozenset({"log_level", "hang_timeout_s", "stopped_timeout_s", "stop_timeout_s", "max_engines",
+LIVE_FIELDS = frozenset({"log_level", "hang_timeout_s", "stopped_timeout_s", "frontend_hang_timeout_s",
+                         "stop_timeout_s", "max_engines",
                          "restart_backoff_s", "restart_backoff_max_s", "flap_window_s",
                          "flap_max_exits", "flap_hold_s", "retry_limit", "stable_s",
                          "served_restart_delay_s", "served_restart_max"})
@@ -262,7 +278,8 @@ _FLAGS: list[tuple[str, str, Any, str]] = [
     ("--http", "http", str, "HOST:PORT of the OpenAI HTTP server (default 127.0.0.1:8000)"),
     ("--state-dir", "state_dir", str, "logs and state (default $STATE_DIRECTORY or ./.state)"),
     ("--runtime-dir", "runtime_dir", str,
-     "sockets, mode 0700 (default $RUNTIME_DIRECTORY or STATE_DIR/run)"),
+     "sockets (0600); made 0700 if missing, refused if another user owns it or others may "
+     "write to it (default $RUNTIME_DIRECTORY or STATE_DIR/run)"),
     ("--env-file", "env_file", str,
      "env file with PLANARIA_ARGS / PLANARIA_LOG_LEVEL, re-read on SIGHUP"),
     ("--engine-config-json", "engine_config", "json",
@@ -275,7 +292,12 @@ _FLAGS: list[tuple[str, str, Any, str]] = [
     ("--stopped-timeout-s", "stopped_timeout_s", float,
      "kill an engine found stopped (SIGSTOP/SIGTSTP, not a debugger's stop) this long, without "
      "waiting for the hang timeout; 0 turns it off (default 0.3)"),
-    ("--heartbeat-interval-s", "heartbeat_interval_s", float, "engine heartbeat period (default 0.5)"),
+    ("--frontend-hang-timeout-s", "frontend_hang_timeout_s", float,
+     "kill (and restart, engines with it) a frontend whose event loop has not answered the "
+     "supervisor this long, e.g. frozen in a CPU-bound handler or a deadlock; start-up has "
+     "--handshake-timeout-s until the first answer; 0 turns it off (default 10)"),
+    ("--heartbeat-interval-s", "heartbeat_interval_s", float,
+     "engine heartbeat and frontend liveness beat period (default 0.5)"),
     ("--stop-timeout-s", "stop_timeout_s", float,
      "drain time after SIGTERM before SIGKILL, for stop/restart/drain (default 30)"),
     ("--handshake-timeout-s", "handshake_timeout_s", float,
@@ -309,7 +331,9 @@ _FLAGS: list[tuple[str, str, Any, str]] = [
      "scale-up or a restart instead of a cold start (default 1; 0: none)"),
     ("--etcd-listen", "etcd_listen", str,
      "ep: IP[:PORT] the embedded etcd serves clients on, for the other nodes' --etcd-endpoints "
-     "(default 127.0.0.1 and a free port; no TLS or auth: use a private network)"),
+     "(default 127.0.0.1 and a free port). Auth is always on (STATE_DIR/etcd/root.password); "
+     "beyond loopback etcd is set up on loopback first, then serves TLS only, with a CA made in "
+     "STATE_DIR/etcd/tls/ (the other nodes pass --etcd-ca-cert with a copy of its ca.crt)"),
     ("--etcd-ca-cert", "etcd_ca_cert", str, "ep: PEM file of the CA of etcd's TLS certificate (TLS on)"),
     ("--etcd-cert", "etcd_cert", str, "ep: client certificate for etcd (with --etcd-key; TLS on)"),
     ("--etcd-key", "etcd_key", str, "ep: the client certificate's key file"),
@@ -337,11 +361,21 @@ _FLAGS: list[tuple[str, str, Any, str]] = [
      "an idle HTTP keep-alive connection is closed after this long (default 75)"),
     ("--max-connections", "max_connections", int,
      "open HTTP connections beyond this get a 503 and are closed (default 1024)"),
+    ("--max-connections-per-client", "max_connections_per_client", int,
+     "open HTTP connections from one client address beyond this get a 503 and are closed; 0: no cap "
+     "(set it 0, or high, behind a reverse proxy) (default 64)"),
+    ("--header-read-timeout-s", "header_read_timeout_s", float,
+     "a connection whose request head is not complete this long after it opened (or after the "
+     "next head's first byte) is closed, 408 if part of a head came; 0: off (default 10)"),
     ("--max-inflight-requests", "max_inflight_requests", int,
-     "generation requests in flight beyond this get a 429 with Retry-After "
+     "sequences in flight (one per engine request: prompts x n, embedding inputs) beyond this "
+     "get a 429 with Retry-After "
      "(default 0: 4 x max_num_seqs x engines)"),
     ("--request-timeout-s", "request_timeout_s", float,
      "a request running longer is aborted in its engine: 504, or an SSE error event (default 600)"),
+    ("--write-timeout-s", "write_timeout_s", float,
+     "a streaming client that takes no data this long (stopped reading) is cut off, its request "
+     "aborted and its slot freed (default 30)"),
     ("--engine-wait-s", "engine_wait_s", float,
      "a request that finds no engine serving, or whose engine died, waits this long for one "
      "before a 503 (default 30)"),
@@ -352,6 +386,9 @@ _FLAGS: list[tuple[str, str, Any, str]] = [
      "file's PLANARIA_API_KEY, which keep it out of ps; the frontend gets it in its environment)"),
     ("--api-key-protects-metrics", "api_key_protects_metrics", bool,
      "with an API key: /metrics and /ready need it too (default: they stay open; /health always)"),
+    ("--allow-client-priority", "allow_client_priority", bool,
+     "let every caller set a request's priority (default: only callers whose bearer token is "
+     "$PLANARIA_PRIORITY_KEY, from the environment or the env file; others get 400)"),
     ("--tool-call-parser", "tool_call_parser", str,
      "how the frontend reads tool calls out of tool_choice \"auto\" answers: hermes "
      "(<tool_call>{...}</tool_call>), or none to turn \"auto\" off (default hermes)"),
@@ -420,6 +457,8 @@ def env_file_flags(path: str | os.PathLike) -> dict[str, Any]:
         flags["log_level"] = env["PLANARIA_LOG_LEVEL"]
     if env.get(API_KEY_ENV) and "api_key" not in flags:
         flags["api_key"] = env[API_KEY_ENV]
+    if env.get(PRIORITY_KEY_ENV):
+        flags["priority_key"] = env[PRIORITY_KEY_ENV]
     flags.pop("env_file", None)  # the file does not move itself
     return flags
 
@@ -460,6 +499,8 @@ def build(flags: Mapping[str, Any], environ: Mapping[str, str] | None = None) ->
             str(Path(k.strip()).absolute()) for k in values["extra_client_server_key"].split(",") if k.strip())
     if not values.get("api_key") and env.get(API_KEY_ENV):
         values["api_key"] = env[API_KEY_ENV]
+    if not values.get("priority_key") and env.get(PRIORITY_KEY_ENV):
+        values["priority_key"] = env[PRIORITY_KEY_ENV]
     try:
         config = msgspec.convert(values, ServeConfig)
     except msgspec.ValidationError as exc:

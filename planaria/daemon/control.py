@@ -1,15 +1,18 @@
 """The supervisor's control socket: admin requests in, one envelope back.
 
 Server: a ZMQ ROUTER bound on ``ipc://<runtime_dir>/control.sock`` (the runtime
-directory is created with mode 0700, the socket file is chmod 0600, and a ``flock`` on
-``control.lock`` keeps a second supervisor from stealing the socket), and optionally on
-TCP with CurveZMQ. Frames are ``[identity, b"", msgpack(AdminRequest)]`` in and
-``[identity, b"", msgpack(Ok | Err)]`` out, so REQ and DEALER clients both work. The
+directory is created with mode 0700, an existing one is refused when others may write to
+it or another user owns it (``ensure_runtime_dir``), the socket file is 0600, and a
+``flock`` on ``control.lock`` keeps a second supervisor from stealing the socket), and
+optionally on TCP with CurveZMQ. Frames are ``[identity, b"", msgpack(AdminRequest)]`` in
+and ``[identity, b"", msgpack(Ok | Err)]`` out, so REQ and DEALER clients both work. The
 handler maps ``AdminRequest -> Ok | Err``; whatever it raises becomes an ``Err`` through
 ``common.errors.to_reply`` (the envelope is ``common.envelope``). No request ends the
-server: a malformed one (bad framing, undecodable, nested too deeply) is answered
-BAD_ARGUMENT or dropped and counted (``num_malformed``), and anything else that raises
-while answering is logged and counted (``num_failed``). Two ways to run it:
+server: one over ``MAX_REQUEST_BYTES`` never arrives (ZMQ drops it and the connection:
+``zmq.MAXMSGSIZE``), a malformed one (bad framing, undecodable, nested too deeply) is
+answered BAD_ARGUMENT or dropped and counted (``num_malformed``), and anything else that
+raises while answering is logged and counted (``num_failed``); warnings per request are
+rate-limited (``common.logging.should_log``). Two ways to run it:
 
 - from the supervisor's own loop: ``server.poll_once(timeout_ms)`` (or put
   ``server.sockets`` in the loop's ``zmq.Poller`` and call ``poll_once(0)`` when ready);
@@ -49,20 +52,20 @@ import zmq
 from planaria.common.admin_client import AdminClient
 from planaria.common.envelope import AdminRequest, Err, ErrorCode, Ok, decode_request, encode
 from planaria.common.errors import to_reply
-from planaria.common.sockets import ipc_endpoint, tcp_endpoint
-from planaria.daemon.errors import DaemonAlreadyRunningError
+from planaria.common.logging import should_log
+from planaria.common.sockets import bind_private, ipc_endpoint, tcp_endpoint
+from planaria.daemon.errors import DaemonAlreadyRunningError, RuntimeDirError
 
 _log = logging.getLogger(__name__)
 
 SOCKET_NAME = "control.sock"
 LOCK_NAME = "control.lock"
 
+MAX_REQUEST_BYTES = 1 << 20  # an admin request is a command and a few arguments
+MAX_REQUESTS_PER_POLL = 1000
+_MAX_FRAMES_KEPT = 4  # a request has 3 (identity, empty, payload); more are read and dropped
+
 Handler = Callable[[AdminRequest], "Ok | Err"]
-
-
-def _should_log(count: int) -> bool:
-    """Per-message warnings: the first 20, then every 1000th (a flood must not fill the log)."""
-    return count <= 20 or count % 1000 == 0
 
 
 def control_socket_path(runtime_dir: str | os.PathLike) -> Path:
@@ -70,19 +73,41 @@ def control_socket_path(runtime_dir: str | os.PathLike) -> Path:
 
 
 def ensure_runtime_dir(runtime_dir: str | os.PathLike) -> Path:
-    """Create ``runtime_dir`` with mode 0700 if missing. An existing directory is left
-    as it is (it may be systemd's RuntimeDirectory=), with a warning when others can
-    enter it; the socket file itself is 0600 either way."""
+    """Create ``runtime_dir`` with mode 0700 if missing. An existing directory (it may be
+    systemd's RuntimeDirectory=) is used as it is if this user owns it and nobody else
+    may write to it, with a warning when others can enter it (the sockets themselves are
+    0600); otherwise ``RuntimeDirError``: whoever can create files there could bind the
+    engines' sockets before the frontend does and receive the prompts."""
     path = Path(runtime_dir)
     if not path.exists():
         path.mkdir(mode=0o700, parents=True)
         os.chmod(path, 0o700)  # mkdir's mode is filtered by the umask
     elif not path.is_dir():
         raise NotADirectoryError(f"runtime dir is not a directory: {path}")
-    mode = stat.S_IMODE(path.stat().st_mode)
-    if mode & 0o077:
+    info = path.stat()
+    mode = stat.S_IMODE(info.st_mode)
+    if info.st_uid != os.geteuid():
+        raise RuntimeDirError(f"runtime dir {path} is owned by uid {info.st_uid}, not by this "
+                              f"user (uid {os.geteuid()}): refusing to put the daemon's and the "
+                              f"engines' sockets there; use a directory of your own (--runtime-dir)")
+    if mode & 0o022:
+        raise RuntimeDirError(f"runtime dir {path} has mode {mode:o}: others may create files "
+                              f"in it (and pose as the daemon's sockets); refusing it. "
+                              f"chmod 700 {path}, or give another --runtime-dir")
+    if mode & 0o055:
         _log.warning("runtime dir %s has mode %o; 0700 is expected", path, mode)
     return path
+
+
+def _recv_message(sock: zmq.Socket) -> list[bytes]:
+    """One whole message (``zmq.Again`` if none), keeping at most ``_MAX_FRAMES_KEPT + 1``
+    of its frames: the rest are read and dropped (the answer is "malformed" anyway)."""
+    frames = [sock.recv(zmq.NOBLOCK)]
+    while sock.getsockopt(zmq.RCVMORE):
+        frame = sock.recv(zmq.NOBLOCK)  # the parts of a message arrive together
+        if len(frames) <= _MAX_FRAMES_KEPT:
+            frames.append(frame)
+    return frames
 
 
 class _KeySet:
@@ -147,8 +172,8 @@ class ControlServer:
         sock = self._context.socket(zmq.ROUTER)
         try:
             sock.setsockopt(zmq.LINGER, 0)
-            sock.bind(endpoint)
-            os.chmod(self.socket_path, 0o600)
+            sock.setsockopt(zmq.MAXMSGSIZE, MAX_REQUEST_BYTES)
+            bind_private(sock, endpoint)
         except BaseException:
             sock.close(linger=0)
             raise
@@ -167,6 +192,7 @@ class ControlServer:
         sock = self._context.socket(zmq.ROUTER)
         try:
             sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.MAXMSGSIZE, MAX_REQUEST_BYTES)
             sock.curve_server = True
             sock.curve_secretkey = secret_key
             sock.bind(endpoint)
@@ -190,9 +216,9 @@ class ControlServer:
             raise RuntimeError("poll_once() while the server runs in its own thread")
         num_answered = 0
         for sock, _event in self._poller.poll(timeout_ms):
-            while True:
+            for _ in range(MAX_REQUESTS_PER_POLL):  # a flood must not starve the caller's loop
                 try:
-                    frames = sock.recv_multipart(zmq.NOBLOCK)
+                    frames = _recv_message(sock)
                 except zmq.Again:
                     break
                 try:
@@ -200,7 +226,7 @@ class ControlServer:
                         num_answered += 1
                 except Exception:  # noqa: BLE001 - one request never ends the server loop
                     self.num_failed += 1
-                    if _should_log(self.num_failed):
+                    if should_log(self.num_failed):
                         _log.exception("control socket: request #%d failed unanswered", self.num_failed)
         return num_answered
 
@@ -220,9 +246,10 @@ class ControlServer:
     def _answer(self, sock: zmq.Socket, frames: list[bytes]) -> bool:
         if len(frames) != 3 or frames[1] != b"":
             self.num_malformed += 1
-            if _should_log(self.num_malformed):
-                _log.warning("dropping control message with %d frames (expected REQ/DEALER "
-                             "framing)", len(frames))
+            if should_log(self.num_malformed):
+                _log.warning("dropping control message #%d with %s frames (expected REQ/DEALER "
+                             "framing)", self.num_malformed,
+                             len(frames) if len(frames) <= _MAX_FRAMES_KEPT else "too many")
             return False
         identity, _, payload = frames
         sock.send_multipart([identity, b"", encode(self.dispatch(payload))])

@@ -15,3 +15,9 @@ class DaemonError(Exception):
 
 class DaemonAlreadyRunningError(DaemonError):
     """Another supervisor holds this runtime directory's control socket."""
+
+
+class RuntimeDirError(DaemonError):
+    """The runtime directory is unsafe for the daemon's sockets: writable by others, or
+    owned by another user (who could then bind sockets there, e.g. pose as an engine and
+    receive prompts)."""

@@ -3,8 +3,10 @@
 ``planaria serve --parallel ep`` without ``--etcd-endpoints`` runs its own etcd
 (elastic/etcd_server.py). ``EtcdKeeper`` owns that process from one thread of its own:
 
-- it starts etcd (and turns auth on with the state directory's root credential,
-  elastic/etcd_auth.py), and waits for ``/health``;
+- it starts etcd the secured way (elastic/etcd_bootstrap.py: auth on with the state
+  directory's root credential and the users and roles audited at every start; an etcd
+  ``exposed`` beyond loopback is set up on loopback first, at the keeper's first start and
+  after a start that failed, then served over TLS), and waits for ``/health``;
 - every ``check_interval_s`` it looks at the process (exited?) and every
   ``health_interval_s`` at ``/health``; a process that exited, or that has answered no
   health check for ``unhealthy_after_s`` (hung: SIGKILL by pid), is restarted on the SAME
@@ -58,11 +60,14 @@ def default_policy() -> RestartPolicy:
 
 
 class EtcdKeeper:
-    def __init__(self, etcd: EmbeddedEtcd, *, password: str | None = None, policy: RestartPolicy | None = None,
+    def __init__(self, etcd: EmbeddedEtcd, *, password: str | None = None, exposed: bool = False,
+                 policy: RestartPolicy | None = None,
                  check_interval_s: float = 0.25, health_interval_s: float = 1.0, unhealthy_after_s: float = 15.0,
                  start_timeout_s: float = 30.0, clock: Callable[[], float] = time.monotonic) -> None:
         self.etcd = etcd
-        self._password = password
+        self._password = password  # None: no auth (tests of the process handling alone)
+        self.exposed = exposed  # listens beyond loopback: set up on loopback first (etcd_bootstrap)
+        self._bootstrapped = False  # this keeper has set up and audited the data dir on loopback
         self.policy = policy or default_policy()
         self.check_interval_s, self.health_interval_s = check_interval_s, health_interval_s
         self.unhealthy_after_s, self.start_timeout_s = unhealthy_after_s, start_timeout_s
@@ -181,17 +186,23 @@ class EtcdKeeper:
             self.reason = getattr(action, "reason", self.reason)
 
     def _start_once(self) -> None:
-        from planaria.elastic.etcd_auth import enable_root_auth
+        from planaria.elastic.etcd_bootstrap import start_secured
 
         self.state = EtcdState.STARTING
         now = self._clock()
         self.policy.record_start(KEY, now)
         try:
-            self.etcd.start(timeout_s=self.start_timeout_s)
+            if self._password is None:
+                self.etcd.start(timeout_s=self.start_timeout_s)
+            else:
+                bootstrap = not self._bootstrapped
+                self._bootstrapped = False  # until this start has succeeded
+                self.auth_enabled_at_start = start_secured(self.etcd, self._password, exposed=self.exposed,
+                                                           bootstrap=bootstrap, timeout_s=self.start_timeout_s)
+                self._bootstrapped = True
             self.pid = self.etcd.pid
-            if self._password is not None:
-                self.auth_enabled_at_start = enable_root_auth(self.etcd.endpoint, self._password)
         except EtcdError:
+            self.etcd.stop()
             self.pid = None
             raise
         except Exception as exc:  # noqa: BLE001 - e.g. the port taken: a failed start like any other

@@ -7,11 +7,12 @@
     standby:   python -m planaria.elastic.standby --model M --ready-file R/standby-K.ready (EP; stdin a pipe)
 
 Sockets in the runtime dir: ``fe0-in`` / ``fe0-out`` are the frontend's ROUTER / PULL
-(engine.client.ipc_addresses); ``sv-hb`` is the supervisor's heartbeat PULL. Engines
-also connect to each ``--extra-client-addresses`` ROUTER (one more ``--input-addr``). Children do
-not inherit ``NOTIFY_SOCKET`` (the supervisor builds its Notifier with
-``unset_environment=True`` before any spawn), and each child's output is appended to
-``<state dir>/logs/<name>.log``.
+(engine.client.ipc_addresses); ``sv-hb`` is the supervisor's heartbeat PULL, ``sv-fe``
+its PULL for the frontend's liveness beats (``--liveness-address``, frontend/liveness.py).
+Engines also connect to each ``--extra-client-addresses`` ROUTER (one more
+``--input-addr``). Children do not inherit ``NOTIFY_SOCKET`` (the supervisor builds its
+Notifier with ``unset_environment=True`` before any spawn), and each child's output is
+appended to ``<state dir>/logs/<name>.log``.
 
 A ``tcp://`` extra client is a CurveZMQ server (config.py refuses plain TCP unless told
 otherwise): engines and standbys get ``PLANARIA_ENGINE_CURVE`` in their environment, the
@@ -35,11 +36,12 @@ import msgspec
 
 from planaria.common.sockets import engine_curve_env
 from planaria.daemon.children import ChildSpec
-from planaria.daemon.config import API_KEY_ENV, ServeConfig
+from planaria.daemon.config import API_KEY_ENV, PRIORITY_KEY_ENV, ServeConfig
 
 FRONTEND_KEY = ("frontend",)
 ENGINE_KEYS_DIR = "extra-client-keys"  # under the state dir: engine.key, engine.key_secret
 HEARTBEAT_SOCKET = "sv-hb"
+FRONTEND_LIVENESS_SOCKET = "sv-fe"
 
 
 def engine_key(engine_id: int) -> tuple[str, int]:
@@ -62,6 +64,11 @@ def log_path(config: ServeConfig, key) -> Path:
 
 def heartbeat_address(config: ServeConfig) -> str:
     return f"ipc://{Path(config.runtime_dir) / HEARTBEAT_SOCKET}"
+
+
+def frontend_liveness_address(config: ServeConfig) -> str:
+    """Where the frontend's event loop sends its liveness beats (daemon/frontend_watch.py)."""
+    return f"ipc://{Path(config.runtime_dir) / FRONTEND_LIVENESS_SOCKET}"
 
 
 def frontend_addresses(config: ServeConfig) -> tuple[str, str]:
@@ -102,7 +109,7 @@ class Launcher:
     def _env(self, **extra: str) -> dict[str, str]:
         env = {k: v for k, v in self.environ.items()
                if k not in ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID", "LISTEN_FDS",
-                            "LISTEN_PID", API_KEY_ENV)}
+                            "LISTEN_PID", API_KEY_ENV, PRIORITY_KEY_ENV)}
         env.setdefault("HF_HUB_OFFLINE", "1")
         # --compile: Inductor's caches in the state dir, shared by restarts and standbys
         env.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path(self.config.state_dir).resolve() / "compile-cache"))
@@ -202,13 +209,22 @@ class Launcher:
                  "--body-read-timeout-s", f"{cfg.body_read_timeout_s:g}",
                  "--keep-alive-timeout-s", f"{cfg.keep_alive_timeout_s:g}",
                  "--max-connections", str(cfg.max_connections),
+                 "--max-connections-per-client", str(cfg.max_connections_per_client),
+                 "--header-read-timeout-s", f"{cfg.header_read_timeout_s:g}",
                  "--max-inflight-requests", str(cfg.max_inflight_requests),
                  "--request-timeout-s", f"{cfg.request_timeout_s:g}",
+                 "--write-timeout-s", f"{cfg.write_timeout_s:g}",
                  "--render-timeout-s", f"{cfg.render_timeout_s:g}",
                  "--engine-wait-s", f"{cfg.engine_wait_s:g}",
-                 "--tool-call-parser", cfg.tool_call_parser]
+                 "--tool-call-parser", cfg.tool_call_parser,
+                 "--liveness-address", frontend_liveness_address(cfg),
+                 "--liveness-interval-s", f"{cfg.heartbeat_interval_s:g}"]
         if cfg.api_key_protects_metrics:
             argv.append("--api-key-protects-metrics")
+        if cfg.allow_client_priority:
+            argv.append("--allow-client-priority")
         secret = {API_KEY_ENV: cfg.api_key} if cfg.api_key else {}
+        if cfg.priority_key:
+            secret[PRIORITY_KEY_ENV] = cfg.priority_key
         return ChildSpec(key=FRONTEND_KEY, argv=argv, env=self._env(**secret),
                          log_path=str(log_path(cfg, FRONTEND_KEY)), cwd=cfg.state_dir)

@@ -1,15 +1,25 @@
 """The supervisor's run loop: one zmq poller over everything that can wake it.
 
-    child pidfds (exit), engines' thread pidfds (exiting)  |  heartbeat PULL  |  control ROUTER  |  signal wakeup fd
+    child pidfds (exit), engines' thread pidfds (exiting)  |  heartbeat PULL  |  frontend liveness PULL  |  control ROUTER  |  signal wakeup fd
                          v
-                  Supervisor.on_exit / on_exiting / on_heartbeat / admin execute / stop, reload
+                  Supervisor.on_exit / on_exiting / on_heartbeat / on_frontend_beat / admin execute / stop, reload
                          v
                   Supervisor.tick() -> next deadline -> poll timeout
 
 No sleep-polling: the loop blocks in ``poll`` until an event or the next deadline (a
-restart due, a SIGKILL due, the hang check, the watchdog ping). ``WATCHDOG=1`` is sent
-from the loop itself, so a wedged or stopped loop stops the pings and systemd's
-watchdog fires. Also here: ``DeathReporter``, the PUSH socket that tells the frontend
+restart due, a SIGKILL due, the hang checks, the watchdog ping). A frontend liveness
+beat counts only from the pid the kernel reports for its sender (common/liveness.py).
+``WATCHDOG=1`` is sent from the loop itself, so a wedged or stopped loop stops the pings and systemd's
+watchdog fires.
+
+No frame ends the loop (it would end the daemon and every child with it): a heartbeat that
+does not decode (any bytes, any nesting: ``engine.heartbeat.decode`` raises only
+``msgspec.DecodeError``), or whose handling raises, is dropped with a warning (rate-limited,
+``num_bad_heartbeats``); one over ``HEARTBEAT_MAX_BYTES`` never arrives (``zmq.MAXMSGSIZE``
+drops it and its connection); the control socket answers or drops bad requests itself
+(daemon/control.py); the signal wakeup socket, the pidfd handlers and the frontend
+liveness reader are guarded the same way (``num_failed_events``). The sockets' files are
+0600 (``common.sockets.bind_private``). Also here: ``DeathReporter``, the PUSH socket that tells the frontend
 an engine died (ENGINE_CORE_DEAD on its PULL, as engine.wire describes).
 """
 
@@ -26,10 +36,14 @@ import zmq
 
 from planaria.common.envelope import AdminRequest, Ok
 from planaria.common.errors import UnknownCommandError
-from planaria.common.logging import get_logger
+from planaria.common.logging import get_logger, should_log
+from planaria.common.sockets import bind_private
 from planaria.daemon.control import ControlServer
 
 log = get_logger("planaria.loop")
+
+HEARTBEAT_MAX_BYTES = 64 * 1024  # a heartbeat (or a frontend liveness beat) is a few hundred bytes
+MAX_HEARTBEATS_PER_POLL = 1000
 
 
 class DeathReporter:
@@ -91,7 +105,8 @@ class SupervisorLoop:
                  reload_config: Callable[[], object] | None = None,
                  watchdog: Callable[[], bool] | None = None,
                  watchdog_interval_s: float | None = None,
-                 ctx: zmq.Context | None = None) -> None:
+                 ctx: zmq.Context | None = None,
+                 frontend_liveness_address: str | None = None) -> None:
         self.supervisor = supervisor
         self.control = control
         self.reload_config = reload_config
@@ -100,7 +115,8 @@ class SupervisorLoop:
         self.ctx = ctx or zmq.Context.instance()
         self.heartbeats = self.ctx.socket(zmq.PULL)
         self.heartbeats.setsockopt(zmq.LINGER, 0)
-        self.heartbeats.bind(heartbeat_address)
+        self.heartbeats.setsockopt(zmq.MAXMSGSIZE, HEARTBEAT_MAX_BYTES)
+        bind_private(self.heartbeats, heartbeat_address)
         self._wakeup_r, self._wakeup_w = socket.socketpair()
         self._wakeup_r.setblocking(False)
         self._wakeup_w.setblocking(False)
@@ -108,11 +124,20 @@ class SupervisorLoop:
         self._poller = zmq.Poller()
         self._poller.register(self.heartbeats, zmq.POLLIN)
         self._poller.register(self._wakeup_r.fileno(), zmq.POLLIN)
+        self.frontend_beats = None  # the frontend's event loop answering (common/liveness.py)
+        if frontend_liveness_address is not None:
+            self.frontend_beats = self.ctx.socket(zmq.PULL)
+            self.frontend_beats.setsockopt(zmq.LINGER, 0)
+            self.frontend_beats.setsockopt(zmq.MAXMSGSIZE, HEARTBEAT_MAX_BYTES)
+            bind_private(self.frontend_beats, frontend_liveness_address)
+            self._poller.register(self.frontend_beats, zmq.POLLIN)
         for sock in control.sockets:
             self._poller.register(sock, zmq.POLLIN)
         self._children: dict[int, object] = {}  # pidfd -> child
         self._sentinels: dict[int, object] = {}  # thread pidfd (exit sentinel) -> child
         self.num_iterations = 0
+        self.num_bad_heartbeats = 0  # dropped: undecodable, or their handling raised
+        self.num_failed_events = 0  # a pidfd, wakeup or liveness handler that raised (logged, skipped)
 
     # -- signals ------------------------------------------------------------------------
     def install_signal_handlers(self) -> None:
@@ -150,7 +175,12 @@ class SupervisorLoop:
     # -- the loop -----------------------------------------------------------------------
     def _sync_children(self) -> None:
         children = self.supervisor.live_children()
-        live = {child.fileno(): child for child in children}
+        live = {}
+        for child in children:
+            try:
+                live[child.fileno()] = child
+            except ValueError:  # reaped by an exit handler that then failed: nothing to wait for
+                continue
         sentinels = {fd: child for child in children
                      for fd in (child.exit_sentinels() if hasattr(child, "exit_sentinels") else ())}
         for registered, wanted in ((self._children, live), (self._sentinels, sentinels)):
@@ -163,9 +193,51 @@ class SupervisorLoop:
                     self._poller.register(fd, zmq.POLLIN)
                     registered[fd] = child
 
-    def run(self) -> int:
+    def _read_heartbeats(self) -> None:
         from planaria.engine.heartbeat import decode
 
+        for _ in range(MAX_HEARTBEATS_PER_POLL):  # a flood must not starve the rest of the loop
+            try:
+                frame = self.heartbeats.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                beat = decode(frame)
+            except msgspec.DecodeError as exc:
+                self.num_bad_heartbeats += 1
+                if should_log(self.num_bad_heartbeats):
+                    log.warning("dropped an undecodable heartbeat", error=str(exc)[:200],
+                                num_bytes=len(frame), num_bad=self.num_bad_heartbeats)
+                continue
+            try:
+                self.supervisor.on_heartbeat(beat)
+            except Exception:  # noqa: BLE001 - one heartbeat never ends the daemon
+                self.num_bad_heartbeats += 1
+                if should_log(self.num_bad_heartbeats):
+                    log.warning("dropped a heartbeat whose handling failed", exc_info=True,
+                                engine_id=beat.engine_index, pid=beat.pid,
+                                num_bad=self.num_bad_heartbeats)
+
+    def _drain_wakeup(self) -> None:
+        """Empty the signal wakeup socket (its bytes are signal numbers; the handlers
+        have queued the signals themselves)."""
+        try:
+            while self._wakeup_r.recv(512):
+                pass
+        except (BlockingIOError, InterruptedError):
+            pass
+
+    def _guarded(self, what: str, fn: Callable[..., None], *args: object) -> None:
+        """``fn(*args)``; an exception is logged (rate-limited) and the loop goes on."""
+        try:
+            fn(*args)
+        except Exception:  # noqa: BLE001 - one event never ends the daemon and its children
+            self.num_failed_events += 1
+            if should_log(self.num_failed_events):
+                log.warning("event handler failed; skipped", what=what, exc_info=True,
+                            num_failed=self.num_failed_events)
+
+    def run(self) -> int:
         sup = self.supervisor
         clock = sup.clock
         next_ping = clock()
@@ -180,32 +252,22 @@ class SupervisorLoop:
             events = dict(self._poller.poll(timeout_ms))
             self.num_iterations += 1
             if self._wakeup_r.fileno() in events:
-                try:
-                    while self._wakeup_r.recv(512):
-                        pass
-                except BlockingIOError:
-                    pass
+                self._guarded("signal wakeup", self._drain_wakeup)
             self._handle_signals()
             for child in {id(c): c for fd, c in self._sentinels.items() if fd in events}.values():
                 # Level-triggered and final: stop watching (no busy poll until the reap).
                 for fd in [fd for fd, c in self._sentinels.items() if c is child]:
                     self._poller.unregister(fd)
                     del self._sentinels[fd]
-                child.stop_watching_threads()
-                sup.on_exiting(child)
+                self._guarded("exit sentinel", child.stop_watching_threads)
+                self._guarded("exit sentinel", sup.on_exiting, child)
             for fd, child in list(self._children.items()):
                 if fd in events:
-                    sup.on_exit(child)
+                    self._guarded("child exit", sup.on_exit, child)
             if self.heartbeats in events:
-                for _ in range(1000):
-                    try:
-                        frame = self.heartbeats.recv(zmq.NOBLOCK)
-                    except zmq.Again:
-                        break
-                    try:
-                        sup.on_heartbeat(decode(frame))
-                    except msgspec.DecodeError as exc:
-                        log.warning("bad heartbeat", error=str(exc))
+                self._read_heartbeats()
+            if self.frontend_beats is not None and self.frontend_beats in events:
+                self._guarded("frontend liveness beat", self._take_frontend_beats)
             if any(sock in events for sock in self.control.sockets):
                 self.control.poll_once(0)
             next_due = sup.tick()
@@ -214,8 +276,36 @@ class SupervisorLoop:
                 next_ping = clock() + self.watchdog_interval_s
         return sup.exit_code
 
+    def _take_frontend_beats(self) -> None:
+        from planaria.common import liveness
+
+        for _ in range(MAX_HEARTBEATS_PER_POLL):
+            try:
+                frame = self.frontend_beats.recv(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            try:
+                beat = liveness.decode(frame.bytes)
+            except msgspec.DecodeError as exc:
+                self.num_bad_heartbeats += 1
+                if should_log(self.num_bad_heartbeats):
+                    log.warning("dropped an undecodable frontend liveness beat", error=str(exc)[:200],
+                                num_bad=self.num_bad_heartbeats)
+                continue
+            pid = liveness.sender_pid(frame, beat)
+            if pid is None:  # not from the process it names: it must not keep a frontend alive
+                self.num_bad_heartbeats += 1
+                if should_log(self.num_bad_heartbeats):
+                    log.warning("refused a frontend liveness beat: its sender is not the pid it claims",
+                                claimed_pid=beat.pid, peer=frame.get("Peer-Address"),
+                                num_bad=self.num_bad_heartbeats)
+                continue
+            self.supervisor.on_frontend_beat(pid, beat.lag_s)
+
     def close(self) -> None:
         signal.set_wakeup_fd(-1)
         self.heartbeats.close(linger=0)
+        if self.frontend_beats is not None:
+            self.frontend_beats.close(linger=0)
         self._wakeup_r.close()
         self._wakeup_w.close()

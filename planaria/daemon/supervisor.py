@@ -2,9 +2,10 @@
 
 No sockets, no waiting: the run loop (daemon/loop.py) reports what happened —
 ``on_exit(child)`` when a child's sentinel fires, ``on_heartbeat(beat)`` per engine
-heartbeat — and calls ``tick()``, which acts on timers and returns when it wants to be
-called next. The spawner, the clock, the systemd notifier and the death reporter are
-injected; tests pass fakes (tests/daemon/test_supervisor_logic.py).
+heartbeat, ``on_frontend_beat(pid)`` per frontend liveness beat — and calls ``tick()``,
+which acts on timers and returns when it wants to be called next. The spawner, the
+clock, the systemd notifier and the death reporter are injected; tests pass fakes
+(tests/daemon/test_supervisor_logic.py).
 
 What it does:
 
@@ -17,6 +18,9 @@ What it does:
   restarted like any dead engine; so is one found stopped by job control (SIGSTOP) for
   ``stopped_timeout_s`` (0.3 s; ``StoppedWatch``, its state looked at every 0.15 s), which
   cannot step however long one waits;
+- a frontend whose event loop stops answering (no liveness beat for
+  ``frontend_hang_timeout_s`` after its first; ``FrontendWatch``) is SIGKILLed and
+  restarted like a dead one;
 - when the frontend dies, the engines go with it (their handshake was with the dead
   process; a new frontend would not know them) and start again with the new frontend;
 - systemd hears READY=1 when the first engine serves, a STATUS= line on every change,
@@ -37,6 +41,7 @@ from planaria.common.logging import get_logger
 from planaria.daemon.children import Child, ChildSpec, describe_exit
 from planaria.daemon.config import ServeConfig, live_changes
 from planaria.daemon.ep_supervisor import POLL_S as EP_POLL_S, EPSupervisor
+from planaria.daemon.frontend_watch import FrontendWatch
 from planaria.daemon.hang_detector import HangDetector, StoppedWatch
 from planaria.daemon.launch import FRONTEND_KEY, Launcher, engine_key
 from planaria.daemon.restart_policy import GiveUp, HoldOff, RestartAt, RestartNow
@@ -107,6 +112,8 @@ class Supervisor:
         self.policy = config.restart_policy()
         self.hang = HangDetector(config.hang_timeout_s)
         self.stopped = StoppedWatch(config.stopped_timeout_s)
+        # start-up grace: as long as engines wait to reach a frontend (handshake timeout)
+        self.frontend_watch = FrontendWatch(config.frontend_hang_timeout_s, config.handshake_timeout_s)
         self.is_job_stopped = is_job_stopped
         self.frontend = Slot(FRONTEND_KEY)
         self.engines: dict[int, Slot] = {i: Slot(engine_key(i)) for i in range(config.num_engines)}
@@ -180,6 +187,7 @@ class Supervisor:
         self._slot_log(slot).info("started", restarts=self.policy.restarts(slot.key),
                                   **({"from_standby": True} if warm is not None else {}))
         if slot.key == FRONTEND_KEY:
+            self.frontend_watch.start(slot.child.pid, now)
             for engine in self.engines.values():
                 if engine.state is SlotState.WAITING:
                     self._spawn(engine)
@@ -209,6 +217,8 @@ class Supervisor:
             self.hang.forget(slot.engine_id)
             if self.ep is not None:
                 self.ep.forget_engine(slot.engine_id, child.pid)
+        else:
+            self.frontend_watch.forget()
         after, slot.after_exit = slot.after_exit, AfterExit.UNPLANNED
         slot.kill_reason, slot.death_reported, slot.killed_stopped = "", False, False
         slot.child, slot.heartbeat, slot.kill_at, slot.started_at = None, None, None, None
@@ -350,6 +360,11 @@ class Supervisor:
             if beat.step_counter > 0:  # it did work: a death now is not a start-up failure
                 self.policy.record_served(slot.key, now)
 
+    def on_frontend_beat(self, pid: int, lag_s: float = 0.0) -> None:
+        """The event loop of frontend process ``pid`` answered (the loop checked that the
+        kernel's sender pid is ``pid``); beats of an older frontend are ignored."""
+        self.frontend_watch.answered(pid, self.clock(), lag_s)
+
     # -- timers -------------------------------------------------------------------------
     def tick(self) -> float | None:
         """Act on what is due; returns the clock time of the next thing due (or None)."""
@@ -365,6 +380,7 @@ class Supervisor:
                 slot.child.send_signal(signal.SIGKILL)
         if not self.shutting_down:
             self._kill_stopped(now)
+            self._kill_hung_frontend(now)
             for engine_id in self.hang.check(now):
                 slot = self.engines.get(engine_id)
                 why = self.hang.why_hung(engine_id, now)
@@ -381,6 +397,8 @@ class Supervisor:
         self._update_scale_op()
         self._notify_status()
         times = [t for s in self.slots() for t in (s.due_at, s.kill_at) if t is not None]
+        if self._frontend_up() and not self.shutting_down:
+            times.append(self.frontend_watch.deadline())
         if any(s.state in (SlotState.STARTING, SlotState.RUNNING) for s in self.engines.values()):
             times.append(now + self.config.hang_timeout_s / 4)
         if self.ep is not None:
@@ -390,6 +408,21 @@ class Supervisor:
         if self.standby is not None and not self.shutting_down:
             times.append(self.standby.tick(now))
         return min((t for t in times if t is not None), default=None)
+
+    def _kill_hung_frontend(self, now: float) -> None:
+        """SIGKILL a frontend whose event loop has not answered in time: it serves nothing
+        and would never exit by itself. Its exit is then a failure like any other (restart
+        policy, its engines recycled)."""
+        slot = self.frontend
+        if slot.child is None or slot.state not in (SlotState.STARTING, SlotState.RUNNING):
+            return
+        why = self.frontend_watch.why_hung(now)
+        if why is None:
+            return
+        self.frontend_watch.forget()  # judged once; the next start is watched afresh
+        slot.kill_reason = why
+        self._slot_log(slot).error("hung; SIGKILL", reason=why)
+        slot.child.send_signal(signal.SIGKILL)
 
     def _kill_stopped(self, now: float) -> None:
         """SIGKILL a serving engine stopped by job control for ``stopped_timeout_s``: it holds
@@ -478,6 +511,7 @@ class Supervisor:
             served_max_restarts=self.config.served_restart_max)
         self.hang.hang_timeout_s = self.config.hang_timeout_s
         self.stopped.timeout_s = self.config.stopped_timeout_s
+        self.frontend_watch.reconfigure(self.config.frontend_hang_timeout_s, self.config.handshake_timeout_s)
         if self.ep is not None and "max_engines" in live:
             self.ep.reconfigure(self.config.max_engines)
         if "log_level" in live:
@@ -662,6 +696,7 @@ class Supervisor:
                 "num_deaths_reported": self.num_deaths_reported,
                 "scale": None if op is None else {"op_id": op.op_id, "target": op.target,
                                                   "adding": op.adding, "removing": op.removing},
-                "frontend": child(self.frontend), "engines": engines,
+                "frontend": {**child(self.frontend), **self.frontend_watch.status(now)},
+                "engines": engines,
                 "state_dir": self.config.state_dir, "parallel": self.config.parallel, "ep": ep,
                 "standby": self.standby.status(now) if self.standby is not None else None}

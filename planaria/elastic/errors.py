@@ -9,6 +9,7 @@ subclass per thing a caller may want to handle differently. Causes are kept with
      |    +-- EtcdUnavailableError   etcd unreachable or too slow; retry later, keep serving
      |    |    +-- EtcdAuthError     etcd refused our credentials or a permission
      |    +-- EtcdStartError         an embedded etcd would not start or become healthy
+     |         +-- EtcdAuditError    ... its users or roles are not the ones the daemon made
      +-- RecordDecodeError           a value under /planaria/ is not the struct we expect
      +-- LeadershipError
      |    +-- NotLeaderError         an operation needs leadership this node does not hold
@@ -57,6 +58,11 @@ class EtcdAuthError(EtcdUnavailableError):
 
 class EtcdStartError(EtcdError):
     """An embedded etcd process exited early or never became healthy."""
+
+
+class EtcdAuditError(EtcdStartError):
+    """The embedded etcd's data directory holds users, roles or permissions the daemon did
+    not make (someone got in, or configured it by hand): it is not started."""
 
 
 class RecordDecodeError(ElasticError):

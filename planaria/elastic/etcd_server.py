@@ -1,5 +1,6 @@
 """Run a single-node etcd: the embedded default (on loopback, or on ``host`` for the
-other nodes of a multi-host cluster: `planaria serve --etcd-listen`) and the test fixture.
+other nodes of a multi-host cluster: `planaria serve --etcd-listen`, then over TLS and
+brought up on loopback first: elastic/etcd_bootstrap.py) and the test fixture.
 
 ``EmbeddedEtcd(data_dir)`` picks free loopback ports once and keeps them, so ``stop()``
 then ``start()`` brings the same member back on the same data dir and port (what the
@@ -7,8 +8,10 @@ then ``start()`` brings the same member back on the same data dir and port (what
 (client certificates required), ``extra_args`` passes more etcd flags, and ``ctl(...)``
 runs the bundled ``etcdctl`` against it (user/role/auth set-up in tests). The process is tracked by pid and stopped by
 pid: SIGTERM, then SIGKILL after a grace period. etcd's own log goes to
-``<data_dir>/etcd.log``. ``die_with_parent=True`` (the daemon's embedded etcd) sets
-``PR_SET_PDEATHSIG=SIGKILL`` in the child, as daemon/children.py does for engines, so a
+``<data_dir>/etcd.log``. ``on_loopback()`` is the same member (data dir, name, peer port)
+served on 127.0.0.1 alone, plain, on a port of its own: where auth is set up before the
+member is started on its outside address. ``die_with_parent=True`` (the daemon's embedded
+etcd) sets ``PR_SET_PDEATHSIG=SIGKILL`` in the child, as daemon/children.py does for engines, so a
 daemon killed outright never leaves an orphaned etcd on its port and data directory. The
 signal follows the *thread* that started the process: start it from a thread that lives
 as long as the daemon (daemon/etcd_keeper.py starts and stops it from its own thread).
@@ -25,6 +28,7 @@ Nothing here reads old revisions: a watch that reconnects re-reads the current s
 from __future__ import annotations
 
 import ctypes
+import ipaddress
 import os
 import shutil
 import signal
@@ -103,6 +107,20 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (an IP literal) is a loopback address: 127.0.0.0/8 or ::1."""
+    return ipaddress.ip_address(host.strip("[]")).is_loopback
+
+
+def connect_host(host: str) -> str:
+    """Where a local client reaches a server listening on ``host``: loopback for the
+    unspecified address (0.0.0.0, ::), else ``host`` itself."""
+    address = ipaddress.ip_address(host.strip("[]"))
+    if address.is_unspecified:
+        return "::1" if address.version == 6 else "127.0.0.1"
+    return host
+
+
 def url_host(host: str) -> str:
     """``host`` as it goes into a URL or host:port (IPv6 literals in brackets)."""
     return f"[{host}]" if ":" in host and not host.startswith("[") else host
@@ -112,7 +130,8 @@ class EmbeddedEtcd:
     """A single-member etcd serving clients on ``host`` (default 127.0.0.1; its peer URL
     stays on loopback), started with :meth:`start` or ``with``.
 
-    Attributes: ``endpoint`` ("host:port"), ``client_port``, ``peer_port``,
+    Attributes: ``endpoint`` ("host:port" a client connects to: loopback where ``host`` is
+    0.0.0.0 or ::), ``client_port``, ``peer_port``,
     ``pid`` (None when not running), ``data_dir``, ``log_path``. ``compaction_retention``:
     how much history etcd keeps (an etcd duration, "1h"; None: all of it).
     """
@@ -140,7 +159,14 @@ class EmbeddedEtcd:
 
     @property
     def endpoint(self) -> str:
-        return f"{url_host(self.host)}:{self.client_port}"
+        return f"{url_host(connect_host(self.host))}:{self.client_port}"
+
+    def on_loopback(self) -> EmbeddedEtcd:
+        """This member (data dir, name, peer port, flags) served plain on 127.0.0.1 alone,
+        on a free port of its own; not started."""
+        return EmbeddedEtcd(self.data_dir, peer_port=self.peer_port, binary=self.binary, name=self.name,
+                            extra_args=self.extra_args, die_with_parent=self.die_with_parent,
+                            compaction_retention=self.compaction_retention)
 
     @property
     def pid(self) -> int | None:
@@ -152,20 +178,21 @@ class EmbeddedEtcd:
 
     def command(self) -> list[str]:
         scheme = "https" if self.tls is not None else "http"
-        client_url = f"{scheme}://{self.endpoint}"
-        peer_url = f"http://127.0.0.1:{self.peer_port}"
+        client_url = f"{scheme}://{url_host(self.host)}:{self.client_port}"
+        peer_url = f"http://127.0.0.1:{self.peer_port}"  # one member: peers never leave loopback
         tls = [] if self.tls is None else [
-            "--cert-file", self.tls.cert, "--key-file", self.tls.key, "--trusted-ca-file", self.tls.ca,
-            *(["--client-cert-auth"] if self.tls.client_cert_auth else [])]
-        return [*self._base_command(client_url, peer_url), *tls, *self.extra_args]
+            "--cert-file", self.tls.cert, "--key-file", self.tls.key,
+            *(["--trusted-ca-file", self.tls.ca, "--client-cert-auth"] if self.tls.client_cert_auth else [])]
+        return [*self._base_command(client_url, f"{scheme}://{self.endpoint}", peer_url), *tls,
+                *self.extra_args]
 
-    def _base_command(self, client_url: str, peer_url: str) -> list[str]:
+    def _base_command(self, client_url: str, advertise_url: str, peer_url: str) -> list[str]:
         return [
             str(self.binary),
             "--name", self.name,
             "--data-dir", str(self.data_dir / "member-data"),
             "--listen-client-urls", client_url,
-            "--advertise-client-urls", client_url,
+            "--advertise-client-urls", advertise_url,
             "--listen-peer-urls", peer_url,
             "--initial-advertise-peer-urls", peer_url,
             "--initial-cluster", f"{self.name}={peer_url}",

@@ -35,7 +35,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from planaria.common.sockets import CurveKeySet, ipc_endpoint, set_curve_server
+from planaria.common.sockets import CurveKeySet, bind_private, ipc_endpoint, set_curve_server
 from planaria.engine.errors import (EngineDeadError, EngineFaultError, EngineHandshakeError,
                            NoEngineAvailableError, UtilityCallError, WireFormatError)
 from planaria.engine.messages import EngineCoreOutput, EngineCoreRequest, SchedulerStats
@@ -187,7 +187,9 @@ class EngineClient:
         self._curve_authorized = None if authorized_keys is None else CurveKeySet(authorized_keys)
 
     def bind(self) -> tuple[str, str]:
-        """Bind both sockets (idempotent); returns the (ROUTER, PULL) addresses to give engines."""
+        """Bind both sockets (idempotent); returns the (ROUTER, PULL) addresses to give engines.
+        ipc socket files are made 0600 (``bind_private``): another local user who could
+        connect would be taken for an engine and sent prompts."""
         if self._ctx is not None:
             return self.input_address, self.output_address
         self._ctx = zmq.asyncio.Context()
@@ -205,13 +207,13 @@ class EngineClient:
         self._router.setsockopt(zmq.LINGER, 0)
         if self._curve_secret_key is not None:
             set_curve_server(self._router, self._curve_secret_key)
-        self._router.bind(self.input_address)
+        bind_private(self._router, self.input_address)  # an ipc file is 0600: no one else poses as an engine
         self.input_address = self._router.getsockopt(zmq.LAST_ENDPOINT).decode()
         self._pull = self._ctx.socket(zmq.PULL)
         self._pull.setsockopt(zmq.LINGER, 0)
         if self._curve_secret_key is not None:
             set_curve_server(self._pull, self._curve_secret_key)
-        self._pull.bind(self.output_address)
+        bind_private(self._pull, self.output_address)
         self.output_address = self._pull.getsockopt(zmq.LAST_ENDPOINT).decode()
         return self.input_address, self.output_address
 

@@ -69,8 +69,17 @@ def encode(beat: Heartbeat) -> bytes:
 
 
 def decode(frame: bytes) -> Heartbeat:
-    """Raises ``msgspec.DecodeError`` for anything that is not a Heartbeat."""
-    return _decoder.decode(frame)
+    """Raises ``msgspec.DecodeError``, and only that, for anything that is not a Heartbeat:
+    also for an unknown field nested past the recursion limit (msgspec skips an unknown
+    field's value recursively and raises ``RecursionError`` there)."""
+    try:
+        return _decoder.decode(frame)
+    except msgspec.DecodeError:
+        raise
+    except RecursionError as exc:
+        raise msgspec.DecodeError("heartbeat nested too deeply") from exc
+    except Exception as exc:  # noqa: BLE001 - a frame of the wrong kind (not bytes-like), say
+        raise msgspec.DecodeError(f"undecodable heartbeat: {type(exc).__name__}: {exc}") from exc
 
 
 class HeartbeatThread(threading.Thread):

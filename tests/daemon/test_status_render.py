@@ -69,3 +69,20 @@ def test_embedded_etcd_line_with_and_without_an_outage():
     assert ("etcd (embedded): backoff on 127.0.0.1:2379, restarts 1 (last exit: killed by SIGKILL); "
             "restarting in 0.4s") in lines
     assert not any(line.startswith("etcd (embedded)") for line in status.render(data(EP, engine(0))).splitlines())
+
+
+def test_frontend_line_shows_its_event_loop_liveness_and_last_kill_reason():
+    fe = {"state": "running", "pid": 9, "uptime_s": 62.0, "restarts": 1,
+          "reason": "frontend hung: event loop did not answer for 10.0 s (limit 10 s)",
+          "last_answer_age_s": 0.43, "num_answers": 12, "loop_lag_s": 0.001, "hang_timeout_s": 10.0}
+    lines = status.render({**data(None, engine(0)), "frontend": fe}).splitlines()
+    assert ("frontend: running pid 9 on 127.0.0.1:8000, uptime 1m02s, restarts 1, "
+            "event loop answered 0.4s ago (limit 10s)") in lines
+    assert "frontend last exit: frontend hung: event loop did not answer for 10.0 s (limit 10 s)" in lines
+    starting = {**fe, "state": "starting", "reason": "", "last_answer_age_s": None}
+    lines = status.render({**data(None, engine(0)), "frontend": starting}).splitlines()
+    assert lines[1].endswith("restarts 1, event loop not answered yet")
+    assert not any(line.startswith("frontend last exit") for line in lines)
+    off = {**fe, "hang_timeout_s": 0.0}
+    assert status.render({**data(None, engine(0)), "frontend": off}).splitlines()[1].endswith(
+        "event loop answered 0.4s ago")

@@ -597,3 +597,96 @@ def test_a_restarted_replica_engine_takes_the_serving_engines_kv_figure():
     given.tick()
     argv = engine_child(spawner2, 0).spec.argv
     assert "kv_source" not in json.loads(argv[argv.index("--config-json") + 1])  # the operator's figure stands
+
+
+def frontend_beat(sup, spawner, lag_s=0.0):
+    sup.on_frontend_beat(spawner.live(("frontend",))[-1].pid, lag_s)
+
+
+def test_a_frontend_whose_event_loop_stops_answering_is_killed_and_restarted_with_its_engines():
+    """No liveness beat for --frontend-hang-timeout-s after the first: SIGKILL, the kill
+    reason in status, a restart counted, and the engines recycled with the new frontend."""
+    sup, spawner, clock, _, _ = make(frontend_hang_timeout_s=4.0)
+    beat(sup, 0)
+    beat(sup, 1)
+    fe = spawner.live(("frontend",))[0]
+    for _ in range(10):  # answering every second: left alone
+        frontend_beat(sup, spawner)
+        beat(sup, 0)
+        beat(sup, 1)
+        clock.t += 1.0
+        assert sup.tick() <= clock.t + 4.0
+    assert not fe.signals
+    assert sup.status()["frontend"]["last_answer_age_s"] == 1.0
+    clock.t += 2.9  # 3.9 s since the last answer
+    sup.tick()
+    assert not fe.signals
+    clock.t += 0.1
+    sup.tick()
+    assert fe.signals == [signal.SIGKILL]
+    sup.tick()
+    assert fe.signals == [signal.SIGKILL]  # killed once
+    die(sup, fe)
+    status = sup.status()["frontend"]
+    assert status["reason"] == "frontend hung: event loop did not answer for 4.0 s (limit 4 s)"
+    assert all(c.signals == [signal.SIGKILL] for c in (engine_child(spawner, 0), engine_child(spawner, 1)))
+    clock.t = sup.frontend.due_at
+    sup.tick()
+    new_fe = spawner.live(("frontend",))[0]
+    assert new_fe is not fe and sup.frontend.state is SlotState.STARTING
+    assert sup.policy.restarts(("frontend",)) == 1
+    assert sup.status()["frontend"]["reason"].startswith("frontend hung")  # kept for status
+    assert sup.status()["frontend"]["last_answer_age_s"] is None
+
+
+def test_a_starting_frontend_gets_the_start_grace_and_old_beats_do_not_count():
+    sup, spawner, clock, _, _ = make(frontend_hang_timeout_s=4.0, handshake_timeout_s=30.0)
+    fe = spawner.live(("frontend",))[0]
+    clock.t += 29.0  # loading its tokenizer: no answer yet, not hung
+    sup.tick()
+    assert not fe.signals
+    sup.on_frontend_beat(fe.pid + 999)  # not the frontend's pid: ignored
+    clock.t += 1.0
+    sup.tick()
+    assert fe.signals == [signal.SIGKILL]
+    die(sup, fe)
+    assert sup.status()["frontend"]["reason"].startswith(
+        "frontend hung: event loop never answered in 30.0 s since its start (limit 30 s)")
+    clock.t = sup.frontend.due_at
+    sup.tick()
+    new_fe = spawner.live(("frontend",))[0]
+    sup.on_frontend_beat(fe.pid)  # the killed one's late beat: ignored
+    assert sup.status()["frontend"]["num_answers"] == 0
+    frontend_beat(sup, spawner)
+    clock.t += 3.0
+    sup.tick()
+    assert not new_fe.signals
+
+
+def test_frontend_hang_check_off_at_zero_and_not_while_shutting_down():
+    sup, spawner, clock, _, _ = make(frontend_hang_timeout_s=0.0)
+    fe = spawner.live(("frontend",))[0]
+    frontend_beat(sup, spawner)
+    clock.t += 1000.0
+    sup.tick()
+    assert not fe.signals
+    on, spawner2, clock2, _n, _d = make(frontend_hang_timeout_s=4.0)
+    frontend_beat(on, spawner2)
+    on.begin_shutdown()
+    fe2 = spawner2.live(("frontend",))[0]
+    clock2.t += 5.0
+    on.tick()
+    assert fe2.signals == [signal.SIGTERM]  # the drain's, not a hang kill
+
+
+def test_reload_changes_the_frontend_hang_timeout_live():
+    sup, spawner, clock, _, _ = make(frontend_hang_timeout_s=20.0)
+    new = config_mod.build({**{f: getattr(sup.config, f) for f in sup.config.__struct_fields__},
+                            "frontend_hang_timeout_s": 3.0}, environ={})
+    assert sup.reload(new)["applied"] == {"frontend_hang_timeout_s": 3.0}
+    frontend_beat(sup, spawner)
+    clock.t += 3.0
+    sup.tick()
+    assert spawner.live(("frontend",))[0].signals == [signal.SIGKILL]
+    with pytest.raises(config_mod.ConfigError, match="frontend-hang-timeout-s"):
+        config_mod.build({"model": "/m", "frontend_hang_timeout_s": 0.5}, environ={})

@@ -102,10 +102,12 @@ def nodes(net, tiny_moe, tmp_path_factory):
         a = NodeDaemon(net, "a", tiny_moe, root / "a", "--etcd-listen", f"{net.addr['a']}:{ETCD_PORT}")
         started.append(a)
         a.wait(lambda s: s.get("ep") is not None, 120, "node A's etcd and control socket")
-        # node A's embedded etcd has auth on: node B joins with its root credential
+        # node A's embedded etcd has auth on and, beyond loopback, TLS with a CA of its own:
+        # node B joins with its root credential and that CA
         b = NodeDaemon(net, "b", tiny_moe, root / "b", "--etcd-endpoints", f"{net.addr['a']}:{ETCD_PORT}",
                        "--etcd-user", "root", "--etcd-password-file",
-                       str(root / "a" / "state" / "etcd" / "root.password"))
+                       str(root / "a" / "state" / "etcd" / "root.password"),
+                       "--etcd-ca-cert", str(root / "a" / "state" / "etcd" / "tls" / "ca.crt"))
         started.append(b)
         s = b.wait(lambda s: _group(s, {"a": 1, "b": 1}), 240, "one EP group of 2 ranks over nodes a and b")
         yield a, b

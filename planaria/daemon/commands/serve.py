@@ -5,23 +5,34 @@
 
 Spawns `python -m planaria.frontend.main` and N `python -m planaria.engine.proc` children, restarts them
 when they die (backoff, flap hold-off, --retry-limit), kills engines that hang (work
-queued, no step progress for --hang-timeout-s), reports every engine death to the
-frontend at once, serves the admin socket (RUNTIME_DIR/control.sock) for `planaria
-status|restart|drain|scale|logs`, and keeps each child's output in STATE_DIR/logs/.
+queued, no step progress for --hang-timeout-s) and a frontend whose event loop stops
+answering (no liveness beat for --frontend-hang-timeout-s; daemon/frontend_watch.py),
+reports every engine death to the frontend at once, serves the admin socket
+(RUNTIME_DIR/control.sock) for `planaria status|restart|drain|scale|logs`, and keeps
+each child's output in STATE_DIR/logs/.
 
 Under systemd (Type=notify): READY=1 once an engine serves, STATUS= lines, WATCHDOG=1
 from the main loop, STOPPING=1 on SIGTERM, RELOADING=1 on SIGHUP (re-reads --env-file
-and applies log level, restart policy, hang and stop timeouts, --max-engines live).
+and applies log level, restart policy, hang (engine and frontend) and stop timeouts,
+--max-engines live).
 
 Signals: SIGTERM/SIGINT drain (children get SIGTERM, SIGKILL after --stop-timeout-s; a
 second signal kills at once); SIGHUP reloads. Exit codes: 0 stopped cleanly; 1 failed
 (a child gave up, or another daemon holds the runtime dir); 2 bad configuration (flags,
-admin keys, or every engine refused by the frontend for its config hash / protocol
-version; an engine that exits so is not restarted, see daemon/restart_policy.py).
+admin keys, a runtime dir another user owns or others may write to, or every engine
+refused by the frontend for its config hash / protocol version; an engine that exits so is
+not restarted, see daemon/restart_policy.py). Every socket in the runtime dir is 0600.
 
 HTTP protection: --api-key (or $PLANARIA_API_KEY; handed to the frontend in its
 environment, never on a command line), --max-inflight-requests, --request-timeout-s,
 --max-body-bytes, --max-connections and the other frontend limits in docs/http_api.md.
+
+Expert parallelism (--parallel ep) without --etcd-endpoints runs an embedded etcd with
+auth on (STATE_DIR/etcd/root.password) whose users and roles are audited at every start
+(unexpected ones: it refuses to start). With --etcd-listen beyond loopback it is set up on
+loopback first and then serves TLS only, from a CA made in STATE_DIR/etcd/tls/: other
+nodes join with --etcd-endpoints HOST:PORT --etcd-user root --etcd-password-file (a copy
+of root.password) --etcd-ca-cert (a copy of tls/ca.crt). See docs/elastic.md.
 
 Remote admin: --admin-tcp HOST:PORT also serves the admin socket on TCP with CurveZMQ.
 The server key pair is made on the first start in --admin-keys-dir (default
@@ -57,8 +68,9 @@ def main(args: argparse.Namespace) -> int:
     from planaria.daemon.children import PopenSpawner
     from planaria.daemon.commands._common import admin_modules
     from planaria.daemon.control import ControlServer, ensure_runtime_dir
-    from planaria.daemon.errors import DaemonAlreadyRunningError
-    from planaria.daemon.launch import frontend_addresses, heartbeat_address, log_dir
+    from planaria.daemon.errors import DaemonAlreadyRunningError, RuntimeDirError
+    from planaria.daemon.launch import (frontend_addresses, frontend_liveness_address,
+                                        heartbeat_address, log_dir)
     from planaria.daemon.loop import DeathReporter, SupervisorLoop, command_handler
     from planaria.daemon.sd_notify import Notifier, watchdog_interval_s
     from planaria.daemon.supervisor import EXIT_FAILURE, Supervisor
@@ -78,7 +90,11 @@ def main(args: argparse.Namespace) -> int:
     log = plog.get_logger("planaria.serve")
     Path(config.state_dir).mkdir(parents=True, exist_ok=True)
     log_dir(config).mkdir(parents=True, exist_ok=True)
-    ensure_runtime_dir(config.runtime_dir)
+    try:
+        ensure_runtime_dir(config.runtime_dir)
+    except (RuntimeDirError, OSError) as exc:  # unsafe (others may write there), or not a dir
+        print(f"planaria serve: {exc}", file=sys.stderr)
+        return 2
     try:
         tcp = _admin_tcp(config, log)
     except (AdminKeyError, OSError) as exc:
@@ -114,7 +130,8 @@ def main(args: argparse.Namespace) -> int:
         log.info("admin socket on TCP (CurveZMQ)", endpoint=control.tcp_endpoint)
     loop = SupervisorLoop(supervisor, control, heartbeat_address(config),
                           reload_config=lambda: config_mod.reload(supervisor.config, cli_flags),
-                          watchdog=notifier.watchdog, watchdog_interval_s=interval_s, ctx=ctx)
+                          watchdog=notifier.watchdog, watchdog_interval_s=interval_s, ctx=ctx,
+                          frontend_liveness_address=frontend_liveness_address(config))
     loop.install_signal_handlers()
     log.info("starting", model=config.model, engines=config.num_engines, http=config.http,
              state_dir=config.state_dir, runtime_dir=config.runtime_dir,
@@ -165,13 +182,16 @@ def _start_ep(config, supervisor, log):
     The embedded etcd is a supervised child (daemon/etcd_keeper.py: restarted with backoff
     on the same data directory, health-checked, killed with the daemon) with auth on: the
     root credential is made once in STATE_DIR/etcd/root.password (0600) and used by this
-    daemon and, through their environment (paths and user only), its engines."""
+    daemon and, through their environment (paths and user only), its engines; its users and
+    roles are audited at every start. With --etcd-listen beyond loopback it is set up on
+    loopback first and then serves TLS only, with a CA of the daemon's own in
+    STATE_DIR/etcd/tls/ (elastic/etcd_bootstrap.py, elastic/etcd_pki.py)."""
     from planaria.daemon.ep_supervisor import EPSupervisor
     from planaria.daemon.etcd_keeper import EtcdKeeper
     from planaria.daemon.launch import node_id
     from planaria.elastic.cluster import EPNode
-    from planaria.elastic.etcd_auth import root_credential
-    from planaria.elastic.etcd_server import EmbeddedEtcd, free_port, url_host
+    from planaria.elastic.etcd_bootstrap import embedded_etcd
+    from planaria.elastic.etcd_server import free_port, url_host
     from planaria.engine.models.loader import load_hf_config, spec_from_config
 
     if not spec_from_config(load_hf_config(config.model)).is_moe:
@@ -181,14 +201,14 @@ def _start_ep(config, supervisor, log):
     security = config.etcd_security()
     if not endpoints:
         host, port = config.etcd_listen_address()
-        etcd_dir = Path(config.state_dir) / "etcd"
-        security = root_credential(etcd_dir)
-        # A fixed member name: the data dir remembers it across daemon restarts.
-        etcd = EmbeddedEtcd(etcd_dir, client_port=port, host=host, name="planaria", die_with_parent=True)
-        keeper = EtcdKeeper(etcd, password=security.password()).start()
-        endpoints = etcd.endpoint
+        embedded = embedded_etcd(Path(config.state_dir) / "etcd", host, port,
+                                 advertise_host=config.advertise_host)
+        security = embedded.security
+        keeper = EtcdKeeper(embedded.etcd, password=security.password(), exposed=embedded.exposed).start()
+        endpoints = embedded.etcd.endpoint
         log.info("embedded etcd started", endpoint=endpoints, pid=keeper.pid,
-                 password_file=security.password_file)
+                 password_file=security.password_file, tls=embedded.exposed,
+                 **({"ca_cert": security.ca_cert} if embedded.exposed else {}))
     supervisor.launcher.etcd_endpoints = endpoints
     supervisor.launcher.etcd_env = security.to_env()  # engines: paths and user via env, never argv
     host = config.advertise_host or "127.0.0.1"

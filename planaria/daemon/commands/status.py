@@ -5,6 +5,10 @@
 Wire: {"command": "status", "args": {}} -> {"status": "...", "engines": [{"engine_id",
 "rank", "state", "pid", "uptime_s", "restarts", "num_running", "num_waiting",
 "kv_usage", "kv_cache_bytes", "kv_source", ...}], "frontend": {...}, "scale": ...}.
+The frontend's "reason" is why it last exited (a hang kill: "frontend hung: event loop
+did not answer for 10.0 s (limit 10 s)"); "last_answer_age_s" how long ago its event
+loop last answered the supervisor (None: not yet), "loop_lag_s" that loop's latest
+stall as it measured it, "hang_timeout_s" the limit (--frontend-hang-timeout-s; 0: off).
 kv_source is "profiled" (measured at start), "given" (--engine-config-json
 kv_cache_bytes) or "reused" (a scale-up engine that took the running engines' figure).
 "dtype" is the engine's compute dtype and why, e.g. "float32 (auto: CPU has no
@@ -78,7 +82,9 @@ def render(data: dict[str, Any]) -> str:
     lines = [data["status"]]
     fe = data["frontend"]
     lines.append(f"frontend: {fe['state']} pid {dash(fe['pid'])} on {data['http']}, "
-                 f"uptime {_fmt_s(fe['uptime_s'])}, restarts {fe['restarts']}")
+                 f"uptime {_fmt_s(fe['uptime_s'])}, restarts {fe['restarts']}" + liveness_text(fe))
+    if fe.get("reason"):
+        lines.append(f"frontend last exit: {fe['reason']}")
     if data.get("scale"):
         s = data["scale"]
         lines.append(f"scaling to {s['target']} (op {s['op_id']}): adding {s['adding']}, "
@@ -93,6 +99,19 @@ def render(data: dict[str, Any]) -> str:
         if e["state"] in ("backoff", "failed", "drained", "waiting") and e["reason"]:
             lines.append(f"engine {e['engine_id']}: {e['reason']}")
     return "\n".join(lines)
+
+
+def liveness_text(fe: dict[str, Any]) -> str:
+    """The frontend line's tail on its event loop's last liveness beat, e.g. ``, event loop
+    answered 0.4s ago (limit 10s)`` (daemon/frontend_watch.py); empty while it is down."""
+    if fe.get("pid") is None or "last_answer_age_s" not in fe:
+        return ""
+    if fe["last_answer_age_s"] is None:
+        return ", event loop not answered yet"
+    text = f", event loop answered {fe['last_answer_age_s']:.1f}s ago"
+    if fe.get("hang_timeout_s"):
+        text += f" (limit {fe['hang_timeout_s']:g}s)"
+    return text
 
 
 def standby_line(sb: dict[str, Any]) -> str:
