@@ -147,12 +147,16 @@ def _peer_closed(s: socket.socket) -> bool:
 
 
 def _lead_byte_ids(model_dir: Path) -> tuple[int, ...]:
-    """Token ids that decode to one lone UTF-8 lead byte (U+FFFD alone)."""
+    """Token ids that are an incomplete UTF-8 byte alone (they decode to U+FFFD): generated
+    again and again they never complete a character. Lead bytes (0xC2-0xF4) first."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(model_dir))
     raw = tok.backend_tokenizer
-    return tuple(i for i in range(min(len(tok), 4096)) if raw.decode([i]) == "\ufffd")[:16]
+    lone = [i for i in range(min(len(tok), 4096)) if raw.decode([i]) == "\ufffd"]
+    # a lead byte followed by a continuation byte decodes to a character
+    lead = [i for i in lone if any(raw.decode([i, j]) != "\ufffd\ufffd" for j in lone[:64])]
+    return tuple((lead + [i for i in lone if i not in lead])[:16])
 
 
 def _fuzz(stack, routes: tuple[str, ...], num_requests: int, seed_value: int, lead_ids: tuple[int, ...],
@@ -237,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             stack.wait_ready(180)
             pids = [e.pid for e in stack.engines]
-            print(f"{name}: {num} requests to {', '.join(routes)}; engine pids {pids}; lone lead-byte ids "
+            print(f"{name}: {num} requests to {', '.join(routes)}; engine pids {pids}; incomplete-byte ids "
                   f"{list(lead_ids)}", file=sys.stderr, flush=True)
             slow = SlowClients(stack.port, args.slow_headers, args.slow_readers, api_key)
             slow.start()
