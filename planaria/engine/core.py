@@ -1,9 +1,10 @@
 """EngineCore: scheduler + KV cache + model runner, stepped by a busy loop (engine/proc.py)
-or by the offline LLM API (engine/llm.py)."""
+or by the offline LLM API (engine/llm.py). Fault injection (chaos tests, poison requests)
+wraps the runner's ``execute`` (engine/fault_injection.py); a core never asked for faults
+runs its runner bare."""
 
 from __future__ import annotations
 
-import os
 import queue
 import time
 from collections import deque
@@ -16,6 +17,7 @@ from planaria.engine.config import EngineConfig
 from planaria.engine.core_protocol import EngineCoreProtocol
 from planaria.engine.errors import (EngineError, InvalidRequestError, KVCacheTooSmallError, WeightLoadError,
                                     WeightLoadInProgressError)
+from planaria.engine.fault_injection import FaultInjectingRunner, StepRunner
 from planaria.engine.iteration_details import IterationRecorder, scheduler_dump
 from planaria.engine.kv_cache_manager import KVCacheManager
 from planaria.engine.messages import EngineCoreOutput, EngineCoreRequest, OutputErrorCode, SchedulerStats
@@ -119,13 +121,16 @@ class EngineCore:
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
                                    max_len, config.scheduling_policy, config.enable_chunked_prefill)
         self.structured = StructuredOutputManager(config.tokenizer or config.model, self.vocab_size)
-        self.runner.structured = self.structured  # grammar bitmasks, filled during the forward
+        self.runner.attach_structured(self.structured)  # grammar bitmasks, filled during the forward
         # Aborts from another thread (queue_aborts), applied between a forward and its output
         # update, so an abort that arrives mid-forward yields no token of that step.
         self.aborts_queue: queue.SimpleQueue[list[Request]] = queue.SimpleQueue()
         self._pending_outputs: list[EngineCoreOutput] = []
         self.step_counter = 0
-        self._poison = envs.get().poison_tokens  # fault injection only (bench/mttr.py)
+        # fault injection only: set at start for poison tokens (bench/mttr.py), else by inject_step_fault
+        poison = envs.get().poison_tokens
+        self._faults = FaultInjectingRunner(self.runner, poison) if poison else None
+        self._step_runner: StepRunner = self._faults or self.runner  # what runs each batch
         self._flight = None  # engine.flight_record.FlightRecorder (record_flights_to)
         self._inflight: SchedulerOutput | None = None
         self.batch_queue: deque[tuple[Future, SchedulerOutput]] = deque()
@@ -274,8 +279,11 @@ class EngineCore:
         self._flight = recorder
 
     def inject_step_fault(self, kind: str) -> None:
-        """Chaos tests: the next forward raises ("fatal"), or fails its first request ("request")."""
-        self.runner.fault_next_step = kind
+        """Chaos tests: the next step raises before its forward ("fatal"), or fails its first
+        request after it ("request"). The first call wraps the runner (engine/fault_injection.py)."""
+        if self._faults is None:
+            self._faults = self._step_runner = FaultInjectingRunner(self.runner)
+        self._faults.inject_next_step(kind)
 
     def step_with_batch_queue(self) -> tuple[list[EngineCoreOutput] | None, bool]:
         """Keep up to max_concurrent_batches in flight: schedule and submit a new batch
@@ -314,10 +322,8 @@ class EngineCore:
 
         if self._flight is not None:  # which requests a crash in this forward would be pinned on
             self._flight.record(self.step_counter, [sr.req.request_id for sr in sched.scheduled if _first_step(sr)])
-        if self._poison:
-            self._die_on_poison(sched)
         try:
-            return self.runner.execute(sched)
+            return self._step_runner.execute(sched)
         except RequestExecutionError as exc:
             return exc  # applied in _update on the loop thread
         except Exception:
@@ -326,16 +332,6 @@ class EngineCore:
             raise
         finally:
             self.step_counter += 1
-
-    def _die_on_poison(self, sched: SchedulerOutput) -> None:
-        """Fault injection only (envs.POISON_TOKENS): the first chunk of a prompt holding the
-        poison tokens ends the process at once, as a native crash would (no death report)."""
-        k = len(self._poison)
-        for sr in sched.scheduled:
-            ids = sr.req.prompt_token_ids
-            if sr.start_pos == 0 and any(tuple(ids[i:i + k]) == self._poison for i in range(len(ids) - k + 1)):
-                log.error("fault injection: poison request; dying", request_id=sr.req.request_id)
-                os._exit(139)
 
     def _update(self, sched: SchedulerOutput, result) -> list[EngineCoreOutput]:
         from planaria.engine.errors import RequestExecutionError

@@ -1,16 +1,21 @@
-"""Runs one scheduled batch: builds flat inputs and attention metadata, executes the
-model, samples. Owns the model weights and the paged KV cache tensors."""
+"""Runs one scheduled batch: lays it out (engine/batch_layout.py, a pure function), builds
+the input tensors and attention metadata, runs the model and its lm head, samples, and puts
+the tokens back in ``scheduled`` order. Owns the model weights and the paged KV cache tensors.
+
+Fault injection is no part of it: engine/fault_injection.py wraps ``execute`` when a chaos
+test asks for faults."""
 
 from __future__ import annotations
 
 import mmap
 import time
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import structlog
 import torch
 
 from planaria.engine import prompt_logprobs
+from planaria.engine.batch_layout import BatchLayout, layout_batch
 from planaria.engine.config import EngineConfig
 from planaria.engine.dtype import choose_dtype
 from planaria.engine.errors import KVCacheTooSmallError, RequestExecutionError
@@ -23,7 +28,10 @@ from planaria.engine.sampler import Sampler
 from planaria.engine.sampling_metadata import SamplingMetadata
 from planaria.engine.scheduler import SchedulerOutput
 from planaria.kernels import cpu_ext
-from planaria.kernels.attention import build_metadata, long_tensor
+from planaria.kernels.attention import AttentionMetadata, build_metadata, long_tensor
+
+if TYPE_CHECKING:  # the manager is EngineCore's (attach_structured); the runner only calls it
+    from planaria.engine.structured_output import StructuredOutputManager
 
 log = structlog.get_logger("planaria.engine.runner")
 
@@ -40,6 +48,14 @@ class StepResult(NamedTuple):
     sampled: list[int]  # aligned with sched.scheduled; -1 where no token is sampled
     logprobs: list[Logprobs | None] | None  # aligned likewise; None when no row asked
     prompt_logprobs: prompt_logprobs.StepPromptLogprobs | None  # slot -> (first position, entries)
+
+
+class _Head(NamedTuple):
+    """The lm head's output for the sampled rows: greedy tokens taken inside it, or logits."""
+
+    smd: SamplingMetadata
+    greedy_tokens: list[int] | None  # plain greedy rows, no grammar: the argmax, chunk by chunk
+    logits: torch.Tensor | None  # [rows, V] otherwise (grammar-masked), for the sampler
 
 
 class ModelRunner:
@@ -65,18 +81,23 @@ class ModelRunner:
         self.weights_bytes += self.packed_bytes
         self.load_s = time.monotonic() - t0
         self.expert_range = expert_range  # not None: an expert-parallel rank's share
-        self.model_dir = config.model  # where the weights in place came from (a weight swap moves it)
+        self._model_dir = config.model  # where the weights in place came from (replace_weights moves it)
         self.block_size = config.block_size
         self.max_positions = max_model_len  # rows of the rotary tables
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.num_blocks = 0
         self.sampler = Sampler()
-        self.fault_next_step: str | None = None  # fault injection (engine/proc.py)
-        self.forward_s = 0.0  # cumulative time in the model forward (bench/ reads it)
+        self.forward_s = 0.0  # cumulative time in the model forward and lm head, not the sampler (bench/ reads it)
         self.last_num_tokens = 0
-        self.structured = None  # engine.structured_output.StructuredOutputManager (EngineCore sets it)
+        self._structured: StructuredOutputManager | None = None  # attach_structured
         self.compiled = None  # engine.compiled.CompiledDecode, once warmed up (config.compile)
         self.compile_status = "off"  # shown by `planaria status`: off, on (warm-up seconds), or why not
+
+    @property
+    def model_dir(self) -> str:
+        """Where the weights in place came from: the start-up checkpoint, or the last one
+        swapped in (replace_weights)."""
+        return self._model_dir
 
     # -- KV cache sizing -------------------------------------------------------------------
     @property
@@ -156,123 +177,86 @@ class ModelRunner:
         self.kv_caches = [(kv[i, 0], kv[i, 1]) for i in range(s.num_layers)]
 
     # -- execution --------------------------------------------------------------------------
+    def attach_structured(self, structured: StructuredOutputManager) -> None:
+        """Grammar masks for the sampled rows of requests with a structured output, filled
+        on a thread while the model runs (EngineCore attaches its manager once)."""
+        self._structured = structured
+
     def execute(self, sched: SchedulerOutput) -> StepResult:
         """Runs the batch: samples the requests whose step ends at their last known token,
         and computes the prompt logprobs of the chunks that want them
-        (engine/prompt_logprobs.py)."""
-        fault, self.fault_next_step = self.fault_next_step, None
-        if fault == "fatal":
-            raise RuntimeError("injected fatal fault")
+        (engine/prompt_logprobs.py). Lay out, forward (model and lm head), sample, scatter."""
         scheduled = sched.scheduled
-        bs = self.block_size
-        # Decodes (one new token, some context) first, then prefill chunks; one pass lays
-        # out the decodes (at 64 sequences every per-request step here counts).
-        ids: list[int] = []
-        pos: list[int] = []
-        decode_idx: list[int] = []
-        prefill_idx: list[int] = []
-        dec_ctx: list[int] = []
-        dec_slots: list[int] = []  # each decode token's own cache slot
-        want_prompt_lps = False
-        for i, s in enumerate(scheduled):
-            p = s.start_pos
-            if s.decode:
-                decode_idx.append(i)
-                ids.append(s.req.all_token_ids[p])
-                pos.append(p)
-                dec_ctx.append(p + 1)
-                dec_slots.append(s.block_ids[p // bs] * bs + p % bs)
-            else:
-                prefill_idx.append(i)
-            if s.req.prompt_logprobs is not None:
-                want_prompt_lps = True
-        for i in prefill_idx:
-            s = scheduled[i]
-            ids.extend(s.req.all_token_ids[s.start_pos:s.start_pos + s.num_tokens])
-            pos.extend(range(s.start_pos, s.start_pos + s.num_tokens))
-        if not prefill_idx:  # decode-only: row i is scheduled[i]
-            sample_slots = [i for i, s in enumerate(scheduled) if s.samples]  # index into `scheduled` per logit row
-            logit_rows = sample_slots  # flat row of the last token, per sampling request
-            first_rows = list(range(len(scheduled))) if want_prompt_lps else None
-        else:
-            logit_rows, sample_slots = [], []
-            row = 0
-            first_rows = [0] * len(scheduled)  # flat row of each request's first token in this step
-            for i in decode_idx + prefill_idx:
-                s = scheduled[i]
-                first_rows[i] = row
-                row += s.num_tokens
-                if s.samples:
-                    logit_rows.append(row - 1)
-                    sample_slots.append(i)
-        prompt_plan = prompt_logprobs.plan_rows(scheduled, first_rows) if want_prompt_lps else None
-
-        md = build_metadata(
-            sched.decode_block_table, dec_ctx,  # numpy, copied by Scheduler.schedule (which sets `decode`)
-            [(scheduled[i].block_ids, scheduled[i].start_pos, scheduled[i].num_tokens) for i in prefill_idx],
-            bs, self.device, decode_slots=dec_slots)
+        layout = layout_batch(sched, self.block_size)
+        md = build_metadata(layout.decode_block_table, layout.decode_ctx_lens, layout.prefills,
+                            self.block_size, self.device, decode_slots=layout.decode_slots)
+        reqs: list[Request] = [scheduled[i].req for i in layout.sample_slots]
         with torch.inference_mode():
-            input_ids = long_tensor(ids, self.device)
-            positions = long_tensor(pos, self.device)
+            input_ids = long_tensor(layout.token_ids, self.device)
+            positions = long_tensor(layout.positions, self.device)
             # grammar masks fill on a thread while the model runs (None: no grammar in the batch)
-            grammar = (self.structured.start_bitmask([scheduled[i].req for i in sample_slots])
-                       if self.structured is not None and sample_slots else None)
+            grammar = self._structured.start_bitmask(reqs) if self._structured is not None and reqs else None
             f0 = time.perf_counter()
-            if self.compiled is not None and not prefill_idx and decode_idx:
-                hidden = self.compiled(input_ids, positions, self.kv_caches, md)
+            hidden = self._forward(layout, input_ids, positions, md)
+            head = self._lm_head(hidden, layout.logit_rows, reqs, grammar) if reqs else None
+            self.forward_s += time.perf_counter() - f0  # the model and the lm head, not the sampler
+            if head is None:
+                sampled, logprobs = [-1] * len(scheduled), None
             else:
-                hidden = self.model(input_ids, positions, self.kv_caches, md)
-            self.last_num_tokens = len(ids)
-            if fault == "request" and scheduled:  # after the forward: EP peers stay in step
-                raise RequestExecutionError([scheduled[0].req.request_id], "injected request fault")
-            sampled = [-1] * len(scheduled)
-            logprobs = None
-            if not logit_rows:
-                self.forward_s += time.perf_counter() - f0
-            if logit_rows:
-                reqs: list[Request] = [scheduled[i].req for i in sample_slots]
-                smd = SamplingMetadata.build(reqs, self.spec.vocab_size, self.device)
-                if len(logit_rows) == hidden.shape[0]:  # every row samples (a decode-only batch)
-                    last = hidden
-                else:
-                    last = hidden.index_select(0, torch.tensor(logit_rows, dtype=torch.long, device=self.device))
-                if smd.plain_greedy and grammar is None:
-                    # the argmax taken inside the lm_head, chunk by chunk (no logits written out)
-                    tokens = self.model.greedy_tokens(last).tolist()
-                    self.forward_s += time.perf_counter() - f0
-                    out = None
-                else:
-                    # argmax alone reads the logits in the model's dtype (no float32 copy)
-                    logits = self.model.compute_logits(last, float32=grammar is not None or not smd.plain_greedy)
-                    if grammar is not None:
-                        grammar.apply(logits, reqs)
-                    self.forward_s += time.perf_counter() - f0
-                    out = self.sampler(logits, smd)
-                    tokens = out.sampled_token_ids.tolist()
-                    stuck = out.rows_without_token()
-                    if stuck:  # the request's own contradiction: e.g. allowed_token_ids all bad words
-                        raise RequestExecutionError(
-                            [reqs[j].request_id for j in stuck],
-                            "no token can be sampled: allowed_token_ids, bad_words, min_tokens and the "
-                            "structured output grammar together exclude every token", request_fault=True)
-                # an argmax over vocab_size columns is always a token; sampling may not be
-                if not smd.plain_greedy or self.model.lm_head_weight().shape[0] > self.spec.vocab_size:
-                    bad = [r.request_id for r, t in zip(reqs, tokens) if not 0 <= t < self.spec.vocab_size]
-                    if bad:
-                        raise RequestExecutionError(bad, "sampling produced an invalid token (non-finite logits?)")
-                if not prefill_idx and len(tokens) == len(scheduled):  # rows in `scheduled` order
-                    sampled = tokens
-                else:
-                    for j, i in enumerate(sample_slots):
-                        sampled[i] = tokens[j]
-                if out is not None and out.logprobs is not None:
-                    logprobs = [None] * len(scheduled)
-                    for j, i in enumerate(sample_slots):
-                        logprobs[i] = out.logprobs[j]
+                tokens, row_logprobs = self._sample(head, reqs)
+                sampled = layout.by_slot(tokens, -1)
+                logprobs = layout.by_slot(row_logprobs, None) if row_logprobs is not None else None
             # at most max_num_seqs logit rows at once, as many as the memory profile's
-            prompt_lps = (prompt_logprobs.compute(self.model, hidden, prompt_plan, self.config.max_num_seqs)
-                          if prompt_plan is not None else None)
+            prompt_lps = (prompt_logprobs.compute(self.model, hidden, layout.prompt_plan, self.config.max_num_seqs)
+                          if layout.prompt_plan is not None else None)
         return StepResult(sampled, logprobs, prompt_lps)
+
+    def _forward(self, layout: BatchLayout, input_ids: torch.Tensor, positions: torch.Tensor,
+                 md: AttentionMetadata) -> torch.Tensor:
+        """The hidden states [T, H]: a decode-only batch through the compiled graphs, if any."""
+        if self.compiled is not None and layout.decode_only:
+            hidden = self.compiled(input_ids, positions, self.kv_caches, md)
+        else:
+            hidden = self.model(input_ids, positions, self.kv_caches, md)
+        self.last_num_tokens = layout.num_tokens
+        return hidden
+
+    def _lm_head(self, hidden: torch.Tensor, logit_rows: list[int], reqs: list[Request], grammar) -> _Head:
+        """The sampled rows through the lm head: greedy tokens taken inside it (plain greedy,
+        no grammar: no logits written out), else the logits, grammar-masked."""
+        smd = SamplingMetadata.build(reqs, self.spec.vocab_size, self.device)
+        if len(logit_rows) == hidden.shape[0]:  # every row samples (a decode-only batch)
+            last = hidden
+        else:
+            last = hidden.index_select(0, torch.tensor(logit_rows, dtype=torch.long, device=self.device))
+        if smd.plain_greedy and grammar is None:
+            return _Head(smd, self.model.greedy_tokens(last).tolist(), None)
+        # argmax alone reads the logits in the model's dtype (no float32 copy)
+        logits = self.model.compute_logits(last, float32=grammar is not None or not smd.plain_greedy)
+        if grammar is not None:
+            grammar.apply(logits, reqs)
+        return _Head(smd, None, logits)
+
+    def _sample(self, head: _Head, reqs: list[Request]) -> tuple[list[int], list[Logprobs] | None]:
+        """One token per sampled row (and its logprobs, if any row asked); RequestExecutionError
+        for rows where no token can be sampled, or where sampling produced no token of the vocabulary."""
+        smd, tokens, row_logprobs = head.smd, head.greedy_tokens, None
+        if tokens is None:
+            out = self.sampler(head.logits, smd)
+            tokens = out.sampled_token_ids.tolist()
+            row_logprobs = out.logprobs
+            stuck = out.rows_without_token()
+            if stuck:  # the request's own contradiction: e.g. allowed_token_ids all bad words
+                raise RequestExecutionError(
+                    [reqs[j].request_id for j in stuck],
+                    "no token can be sampled: allowed_token_ids, bad_words, min_tokens and the "
+                    "structured output grammar together exclude every token", request_fault=True)
+        # an argmax over vocab_size columns is always a token; sampling may not be
+        if not smd.plain_greedy or self.model.lm_head_weight().shape[0] > self.spec.vocab_size:
+            bad = [r.request_id for r, t in zip(reqs, tokens) if not 0 <= t < self.spec.vocab_size]
+            if bad:
+                raise RequestExecutionError(bad, "sampling produced an invalid token (non-finite logits?)")
+        return tokens, row_logprobs
 
     def execute_dummy(self) -> None:
         """A forward over zero tokens: an idle expert-parallel rank still takes part in
@@ -281,6 +265,18 @@ class ModelRunner:
         with torch.inference_mode():
             empty = torch.empty(0, dtype=torch.long, device=self.device)
             self.model(empty, empty, self.kv_caches, md)
+
+    # -- weights ----------------------------------------------------------------------------
+    def replace_weights(self, tensors: dict[str, torch.Tensor], model_dir: str) -> None:
+        """Copy ``tensors`` (by parameter name, checked to fit by engine/weight_update.py)
+        into the parameters in place, so the KV cache, buffers and any compiled graph stay
+        valid; packed bf16 linears follow their new weights. Expert re-homing reads from
+        ``model_dir`` from now on."""
+        with torch.no_grad():
+            for name, p in self.model.named_parameters():
+                p.copy_(tensors[name])
+        packing.repack(self.model)
+        self._model_dir = model_dir
 
     def reload_experts(self, expert_range: tuple[int, int]) -> int:
         """Re-home experts: load [start, end) of every MoE layer from the checkpoint the

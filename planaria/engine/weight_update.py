@@ -8,7 +8,8 @@
                                         place (names, shapes), the content version hashed;
                                         then ``on_read()`` (the engine process wakes its loop)
     WeightLoad.decide(...)              at a step boundary: "wait" | "swap"
-    apply(runner, load)                 copies the tensors into the existing parameters
+    apply(runner, load)                 checks the fit again, then ModelRunner.replace_weights
+                                        copies the tensors into the existing parameters
 
 The busy loop never reads a checkpoint: it only looks at ``load.read_done`` at each step
 boundary, and swaps (a copy into the parameters in place) once the read is done and the
@@ -36,7 +37,6 @@ import structlog
 import torch
 
 from planaria.engine.errors import EngineError, WeightLoadError
-from planaria.engine.models import packing
 
 log = structlog.get_logger("planaria.engine.weights")
 
@@ -208,13 +208,9 @@ def apply(runner, load: WeightLoad) -> None:
         raise WeightLoadError(f"experts were re-homed while {load.model_dir} was read "
                               f"({load.expert_range} -> {_expert_range(runner.model)}); load it again")
     _check_fits(runner, load.tensors, load.model_dir)
-    with torch.no_grad():
-        for name, p in runner.model.named_parameters():
-            p.copy_(load.tensors[name])
-    packing.repack(runner.model)  # packed bf16 linears follow their new weights
+    runner.replace_weights(load.tensors, load.model_dir)  # expert re-homing reads from there from now on
     load.tensors = {}
     load.state = "applied"
-    runner.model_dir = load.model_dir  # expert re-homing reads from here from now on
     log.info("weights swapped", version=load.version, mode=load.mode,
              swap_s=round(time.monotonic() - t0, 3),
              waited_s=round(time.monotonic() - load.requested_at_s, 3))

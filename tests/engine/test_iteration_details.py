@@ -102,7 +102,7 @@ def test_step_failure_logs_the_scheduler_state(tiny_moe, capsys):
     core = _core(tiny_moe, num_kv_blocks=32)
     core.add_request(_req("victim"))
     core.add_request(_req("bystander"))
-    core.runner.fault_next_step = "fatal"
+    core.inject_step_fault("fatal")
     with pytest.raises(RuntimeError, match="injected"):
         core.step()
     out = capsys.readouterr().out
