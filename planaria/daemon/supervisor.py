@@ -23,6 +23,9 @@ What it does:
   restarted like a dead one;
 - when the frontend dies, the engines go with it (their handshake was with the dead
   process; a new frontend would not know them) and start again with the new frontend;
+- what belongs to one process (pid, start, kill reason, heartbeat, planned exit) lives on
+  its slot's ``Incarnation`` (``slot.current``, daemon/slot.py), made at spawn and dropped
+  whole at its exit: nothing of a dead process reaches the next one;
 - systemd hears READY=1 when the first engine serves, a STATUS= line on every change,
   STOPPING=1 on shutdown; the admin commands (daemon/commands/) call the public methods.
 """
@@ -45,7 +48,7 @@ from planaria.daemon.frontend_watch import FrontendWatch
 from planaria.daemon.hang_detector import HangDetector, StoppedWatch
 from planaria.daemon.launch import FRONTEND_KEY, Launcher, engine_key
 from planaria.daemon.restart_policy import GiveUp, HoldOff, RestartAt, RestartNow
-from planaria.daemon.slot import AfterExit, ScaleOp, Slot, SlotState
+from planaria.daemon.slot import AfterExit, Incarnation, ScaleOp, Slot, SlotState
 from planaria.daemon.standby_pool import StandbyPool
 
 EXIT_OK, EXIT_FAILURE = 0, 1
@@ -179,15 +182,13 @@ class Supervisor:
         spec = (self.launcher.frontend(len(self.engines)) if slot.key == FRONTEND_KEY
                 else self.launcher.engine(slot.engine_id, slot.extra_config, num_engines=len(self.engines)))
         warm = self.standby.take(spec, now) if self.standby is not None else None
-        slot.child = warm or self.spawner.spawn(spec)
-        slot.state, slot.started_at, slot.due_at, slot.kill_at = SlotState.STARTING, now, None, None
-        slot.held = False
-        slot.heartbeat = None
+        run = slot.begin(warm or self.spawner.spawn(spec), now)
+        slot.state, slot.due_at, slot.held = SlotState.STARTING, None, False
         self.policy.record_start(slot.key, now)
         self._slot_log(slot).info("started", restarts=self.policy.restarts(slot.key),
                                   **({"from_standby": True} if warm is not None else {}))
         if slot.key == FRONTEND_KEY:
-            self.frontend_watch.start(slot.child.pid, now)
+            self.frontend_watch.start(run.pid, now)
             for engine in self.engines.values():
                 if engine.state is SlotState.WAITING:
                     self._spawn(engine)
@@ -204,14 +205,15 @@ class Supervisor:
                 self._notify_status()
             return
         now = self.clock()
-        reason = slot.kill_reason or describe_exit(code)
+        run = slot.current
+        reason = run.kill_reason or describe_exit(code)
         log = self._slot_log(slot)
         if slot.key != FRONTEND_KEY:
             # First, before anything else: the frontend must stop waiting on this engine.
-            if not slot.death_reported:
+            if not run.death_reported:
                 self._report_dead(slot, reason)
             if self._frontend_up():  # what ended it, for the frontend's poison quarantine
-                self.report_cause(slot.engine_id, child.pid, reason, self._cause(slot, code),
+                self.report_cause(slot.engine_id, child.pid, reason, self._cause(run, code),
                                   suspects=self._suspects(slot))
             Path(self.launcher.flight_record_path(slot.engine_id)).unlink(missing_ok=True)
             self.hang.forget(slot.engine_id)
@@ -219,9 +221,7 @@ class Supervisor:
                 self.ep.forget_engine(slot.engine_id, child.pid)
         else:
             self.frontend_watch.forget()
-        after, slot.after_exit = slot.after_exit, AfterExit.UNPLANNED
-        slot.kill_reason, slot.death_reported, slot.killed_stopped = "", False, False
-        slot.child, slot.heartbeat, slot.kill_at, slot.started_at = None, None, None, None
+        after = slot.end().after_exit  # the run is over: nothing of it reaches the next
         slot.reason = reason
         planned = after is not AfterExit.UNPLANNED
         log.log(logging.INFO if planned else logging.WARNING, "exited", reason=reason,
@@ -248,21 +248,22 @@ class Supervisor:
         self._notify_status()
 
     @staticmethod
-    def _cause(slot: Slot, code: int) -> str:
+    def _cause(run: Incarnation, code: int) -> str:
         """"external" when the engine did not end itself: a SIGKILL that was not the
         supervisor's, or the watchdog's kill of a process found stopped (SIGSTOP); else
         "fault" (an exit code, a crash signal, a hang while running)."""
-        if slot.kill_reason:
-            return "external" if slot.killed_stopped else "fault"
+        if run.kill_reason:
+            return "external" if run.killed_stopped else "fault"
         return "external" if code == -signal.SIGKILL else "fault"
 
     def on_exiting(self, child: Child) -> None:
         """An exit sentinel of ``child`` fired: its threads are gone, the kernel is still
         freeing its memory. Report the engine dead now; ``on_exit`` reaps it later."""
         slot = next((s for s in self.engines.values() if s.child is child), None)
-        if slot is None or slot.death_reported:
+        if slot is None or slot.current.death_reported:
             return
-        self._report_dead(slot, slot.kill_reason or "the engine process is exiting (its threads ended)")
+        self._report_dead(slot, slot.current.kill_reason
+                          or "the engine process is exiting (its threads ended)")
 
     def _suspects(self, slot: Slot) -> list[str]:
         """The requests in their first step when the engine died (its flight record)."""
@@ -274,17 +275,18 @@ class Supervisor:
         if self._frontend_up():
             self.report_dead(slot.engine_id, slot.pid, reason, suspects=self._suspects(slot))
             self.num_deaths_reported += 1
-        slot.death_reported = True
+        slot.current.death_reported = True
 
     def _frontend_died(self) -> None:
         """The engines' handshake was with the dead frontend: restart them with the next."""
         for engine in self.engines.values():
-            if engine.child is not None and engine.after_exit not in (
+            run = engine.current
+            if run is not None and run.after_exit not in (
                     AfterExit.REMOVE, AfterExit.DRAIN, AfterExit.STOP):
-                engine.after_exit = AfterExit.FRONTEND
-                engine.kill_reason = "its frontend died"
+                run.after_exit = AfterExit.FRONTEND
+                run.kill_reason = "its frontend died"
                 engine.state = SlotState.STOPPING
-                engine.child.send_signal(signal.SIGKILL)
+                run.child.send_signal(signal.SIGKILL)
             elif engine.state is SlotState.BACKOFF:
                 engine.state, engine.due_at = SlotState.WAITING, None
 
@@ -336,19 +338,20 @@ class Supervisor:
 
     def on_heartbeat(self, beat) -> None:
         slot = self.engines.get(beat.engine_index)
-        if slot is None or slot.child is None or slot.child.pid != beat.pid:
+        run = slot.current if slot is not None else None
+        if run is None or run.pid != beat.pid:
             return  # an older incarnation, or a removed engine
         now = self.clock()
-        slot.heartbeat = beat
-        if beat.exit_sentinel_tids and not getattr(slot.child, "watched_tids", True):
-            watched = slot.child.watch_threads(beat.exit_sentinel_tids)
+        run.heartbeat = beat
+        if beat.exit_sentinel_tids and not getattr(run.child, "watched_tids", True):
+            watched = run.child.watch_threads(beat.exit_sentinel_tids)
             self._slot_log(slot).debug("exit sentinels", watched=watched)
         self.hang.observe(slot.engine_id, beat.step_counter, beat.has_work, now)
         if slot.state is SlotState.STARTING and beat.state == "running":
             slot.state = SlotState.RUNNING
             self._slot_log(slot).info("serving", kv_cache_bytes=beat.kv_cache_bytes,
                                       kv_source=beat.kv_source,
-                                      startup_s=round(now - slot.started_at, 3))
+                                      startup_s=round(now - run.started_at, 3))
             if self.frontend.state is SlotState.STARTING:
                 self.frontend.state = SlotState.RUNNING
             if self.standby is not None:
@@ -372,12 +375,14 @@ class Supervisor:
         if self.ep is not None and not self.shutting_down:
             self._follow_placement()
         for slot in self.slots():
+            run = slot.current
             if slot.state is SlotState.BACKOFF and slot.due_at is not None and slot.due_at <= now:
                 self._spawn(slot)
-            elif slot.state is SlotState.STOPPING and slot.kill_at is not None and slot.kill_at <= now:
+            elif (slot.state is SlotState.STOPPING and run is not None and run.kill_at is not None
+                  and run.kill_at <= now):
                 self._slot_log(slot).warning("did not stop in time; SIGKILL")
-                slot.kill_at = None
-                slot.child.send_signal(signal.SIGKILL)
+                run.kill_at = None
+                run.child.send_signal(signal.SIGKILL)
         if not self.shutting_down:
             self._kill_stopped(now)
             self._kill_hung_frontend(now)
@@ -387,16 +392,19 @@ class Supervisor:
                 self.hang.forget(engine_id)
                 if slot is None or slot.state not in (SlotState.STARTING, SlotState.RUNNING):
                     continue
-                slot.kill_reason = why
-                slot.killed_stopped = _is_stopped(slot.child.pid)
-                self._slot_log(slot).error("hung; SIGKILL", reason=slot.kill_reason,
-                                           **({"stopped": True} if slot.killed_stopped else {}))
-                slot.child.send_signal(signal.SIGKILL)
+                run = slot.current
+                run.kill_reason = why
+                run.killed_stopped = _is_stopped(run.pid)
+                self._slot_log(slot).error("hung; SIGKILL", reason=run.kill_reason,
+                                           **({"stopped": True} if run.killed_stopped else {}))
+                run.child.send_signal(signal.SIGKILL)
         if self.frontend.state is SlotState.RUNNING:
             self.policy.record_healthy(FRONTEND_KEY, now)
         self._update_scale_op()
         self._notify_status()
-        times = [t for s in self.slots() for t in (s.due_at, s.kill_at) if t is not None]
+        times = [s.due_at for s in self.slots() if s.due_at is not None]
+        times += [s.current.kill_at for s in self.slots()
+                  if s.current is not None and s.current.kill_at is not None]
         if self._frontend_up() and not self.shutting_down:
             times.append(self.frontend_watch.deadline())
         if any(s.state in (SlotState.STARTING, SlotState.RUNNING) for s in self.engines.values()):
@@ -420,9 +428,9 @@ class Supervisor:
         if why is None:
             return
         self.frontend_watch.forget()  # judged once; the next start is watched afresh
-        slot.kill_reason = why
+        slot.current.kill_reason = why
         self._slot_log(slot).error("hung; SIGKILL", reason=why)
-        slot.child.send_signal(signal.SIGKILL)
+        slot.current.child.send_signal(signal.SIGKILL)
 
     def _kill_stopped(self, now: float) -> None:
         """SIGKILL a serving engine stopped by job control for ``stopped_timeout_s``: it holds
@@ -430,17 +438,19 @@ class Supervisor:
         if self.config.stopped_timeout_s <= 0:
             return
         for slot in self.engines.values():
-            if slot.child is None or slot.state not in (SlotState.STARTING, SlotState.RUNNING):
+            run = slot.current
+            if run is None or slot.state not in (SlotState.STARTING, SlotState.RUNNING):
                 continue
-            stopped_s = self.stopped.observe(slot.child.pid, self.is_job_stopped(slot.child.pid), now)
+            stopped_s = self.stopped.observe(run.pid, self.is_job_stopped(run.pid), now)
             if stopped_s is None:
                 continue
-            self.stopped.forget(slot.child.pid)
+            self.stopped.forget(run.pid)
             self.hang.forget(slot.engine_id)
-            slot.kill_reason = f"frozen: stopped (SIGSTOP) for {stopped_s:.1f}s (limit {self.config.stopped_timeout_s:g}s)"
-            slot.killed_stopped = True
-            self._slot_log(slot).error("stopped; SIGKILL", reason=slot.kill_reason, stopped=True)
-            slot.child.send_signal(signal.SIGKILL)
+            run.kill_reason = (f"frozen: stopped (SIGSTOP) for {stopped_s:.1f}s "
+                               f"(limit {self.config.stopped_timeout_s:g}s)")
+            run.killed_stopped = True
+            self._slot_log(slot).error("stopped; SIGKILL", reason=run.kill_reason, stopped=True)
+            run.child.send_signal(signal.SIGKILL)
 
     # -- systemd ------------------------------------------------------------------------
     def status_line(self) -> str:
@@ -489,10 +499,11 @@ class Supervisor:
             self.standby.stop(signal.SIGKILL)
 
     def _stop(self, slot: Slot, after_exit: AfterExit, sig: int = signal.SIGTERM) -> None:
-        slot.after_exit = after_exit
+        run = slot.current
+        run.after_exit = after_exit
         slot.state = SlotState.STOPPING
-        slot.kill_at = self.clock() + self.config.stop_timeout_s
-        slot.child.send_signal(sig)
+        run.kill_at = self.clock() + self.config.stop_timeout_s
+        run.child.send_signal(sig)
 
     def reload(self, new: ServeConfig) -> dict[str, Any]:
         """Apply what can change live; returns {"applied": {...}, "needs_restart": [...]}."""
@@ -566,9 +577,9 @@ class Supervisor:
 
     def _kv_figures(self, but: Slot | None = None) -> list[int]:
         """The kv_cache_bytes of the serving engines (other than ``but``)."""
-        return [s.heartbeat.kv_cache_bytes for s in self.engines.values()
-                if s is not but and s.state is SlotState.RUNNING and s.heartbeat is not None
-                and s.heartbeat.kv_cache_bytes > 0]
+        beats = [s.current.heartbeat for s in self.engines.values()
+                 if s is not but and s.state is SlotState.RUNNING and s.current is not None]
+        return [hb.kv_cache_bytes for hb in beats if hb is not None and hb.kv_cache_bytes > 0]
 
     def reused_kv_cache_bytes(self) -> int | None:
         """The smallest kv_cache_bytes of the serving engines (a scale-up reuses it; in EP
@@ -632,7 +643,7 @@ class Supervisor:
             del self.engines[engine_id]
             self.policy.forget(slot.key)
         elif slot.state is SlotState.STOPPING:
-            slot.after_exit = AfterExit.REMOVE  # on its way out already
+            slot.current.after_exit = AfterExit.REMOVE  # on its way out already
         else:
             self._stop(slot, AfterExit.REMOVE)  # drains its requests first
 
@@ -666,15 +677,15 @@ class Supervisor:
         now = self.clock()
 
         def child(slot: Slot) -> dict[str, Any]:
+            run = slot.current
             return {"state": slot.state.value, "pid": slot.pid,
-                    "uptime_s": round(now - slot.started_at, 3) if slot.started_at is not None
-                    and slot.child is not None else None,
+                    "uptime_s": round(now - run.started_at, 3) if run is not None else None,
                     "restarts": self.policy.restarts(slot.key), "reason": slot.reason}
 
         engines = []
         for engine_id in sorted(self.engines):
             slot = self.engines[engine_id]
-            hb = slot.heartbeat
+            hb = slot.current.heartbeat if slot.current is not None else None
             engines.append({
                 "engine_id": engine_id, "rank": self.rank(engine_id), **child(slot),
                 "num_running": hb.num_running if hb else None,

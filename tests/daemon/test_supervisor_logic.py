@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import time
@@ -11,6 +12,8 @@ import pytest
 from planaria.daemon import config as config_mod
 from planaria.common.envelope import ErrorCode
 from planaria.common.errors import AdminError
+from planaria.daemon.children import describe_exit
+from planaria.daemon.slot import Incarnation
 from planaria.daemon.supervisor import EXIT_FAILURE, SlotState, Supervisor
 from planaria.engine.heartbeat import Heartbeat
 
@@ -265,7 +268,7 @@ def test_exit_sentinel_reports_the_death_once_before_the_reap():
     assert sup.engines[0].state is SlotState.RUNNING  # not reaped yet: no restart decided
     die(sup, child)
     assert len(deaths) == 1  # the reap does not report it twice
-    assert sup.engines[0].state is SlotState.BACKOFF and not sup.engines[0].death_reported
+    assert sup.engines[0].state is SlotState.BACKOFF and sup.engines[0].current is None
 
 
 def test_heartbeat_of_an_older_incarnation_is_ignored():
@@ -274,8 +277,60 @@ def test_heartbeat_of_an_older_incarnation_is_ignored():
     die(sup, old)
     sup.on_heartbeat(Heartbeat(engine_index=0, pid=old.pid, step_counter=1, has_work=True,
                                state="running"))
-    assert sup.engines[0].state is SlotState.BACKOFF and sup.engines[0].heartbeat is None
+    assert sup.engines[0].state is SlotState.BACKOFF and sup.engines[0].current is None
     assert 0 not in sup.hang.check(1e9)
+
+
+def test_nothing_of_one_incarnation_shows_on_the_next():
+    """Every per-run mark (its heartbeat, a watchdog kill and why, the early death report,
+    a planned restart and its SIGKILL deadline) goes with the process: the next one starts
+    clean, and its own death is reported with its own reason, not the old kill reason."""
+    stopped: set[int] = set()
+    sup, spawner, clock, _n, deaths = make(stopped_pids=stopped, stopped_timeout_s=0.5)
+    beat(sup, 0, step=1, has_work=True)
+    beat(sup, 1, step=1, has_work=True)
+    first, e0 = sup.engines[0].current, engine_child(spawner, 0)
+    stopped.add(e0.pid)
+    sup.tick()
+    clock.t += 0.6
+    sup.tick()  # the watchdog kills it: kill_reason, killed_stopped
+    sup.on_exiting(e0)  # reported dead early: death_reported
+    sup.restart_engine(0)  # planned: after_exit, kill_at
+    assert first.kill_reason.startswith("frozen: stopped (SIGSTOP)") and first.killed_stopped
+    assert first.death_reported and first.heartbeat is not None
+    assert first.after_exit.value == "restart" and first.kill_at is not None
+    die(sup, e0)
+    second = sup.engines[0].current
+    assert second is not first and second.child is engine_child(spawner, 0) is not e0
+    assert second.started_at == clock.t
+    fresh = {f.name: f.default for f in dataclasses.fields(Incarnation)
+             if f.name not in ("child", "started_at")}
+    assert {name: getattr(second, name) for name in fresh} == fresh
+    assert sup.status()["engines"][0]["step_counter"] is None  # no heartbeat of its own yet
+    assert sup.tick() <= clock.t + 0.25  # no SIGKILL deadline inherited: only the polls
+    assert signal.SIGKILL not in engine_child(spawner, 0).signals
+    num_deaths = len(deaths)
+    die(sup, engine_child(spawner, 0), 1)  # its own death, unplanned
+    assert deaths[num_deaths:] == [(0, second.pid, "exit code 1")]
+    assert sup.engines[0].reason == "exit code 1" and sup.engines[0].current is None
+    assert sup.engines[0].state is SlotState.BACKOFF  # a failure, not the old planned restart
+
+
+def test_a_frontend_hang_kill_reason_does_not_outlive_its_process():
+    sup, spawner, clock, _n, _d = make(frontend_hang_timeout_s=2.0, handshake_timeout_s=3.0)
+    old = spawner.live(("frontend",))[-1]
+    clock.t += 3.1
+    sup.tick()
+    assert old.signals == [signal.SIGKILL]
+    assert sup.frontend.current.kill_reason.startswith("frontend hung")
+    die(sup, old)
+    assert sup.frontend.reason.startswith("frontend hung") and sup.frontend.current is None
+    clock.t = sup.frontend.due_at
+    sup.tick()
+    new = spawner.live(("frontend",))[-1]
+    assert new is not old and sup.frontend.current.kill_reason == ""
+    die(sup, new, -11)  # a crash of the new one is its own, not a hang
+    assert sup.frontend.reason == describe_exit(-11)
 
 
 def test_retry_limit_gives_up_and_all_failed_engines_stop_the_daemon():
@@ -550,7 +605,8 @@ def test_an_engine_stopped_by_sigstop_is_killed_without_waiting_for_the_hang_tim
     clock.t += 0.3
     sup.tick()
     assert e0.signals == [signal.SIGKILL]
-    assert "stopped (SIGSTOP)" in sup.engines[0].kill_reason and sup.engines[0].killed_stopped
+    run = sup.engines[0].current
+    assert "stopped (SIGSTOP)" in run.kill_reason and run.killed_stopped
     die(sup, e0)
     assert deaths[-1][0] == 0 and "stopped (SIGSTOP)" in deaths[-1][2]
     assert signal.SIGKILL not in engine_child(spawner, 1).signals
