@@ -1,17 +1,27 @@
 """Incremental detokenization with stop strings.
 
-Each update decodes a small window of recent tokens, not the whole output (the
-prefix-offset/read-offset technique of vLLM and HF TGI): ``prefix_offset..read_offset`` is
-text already produced, kept as left context so that the tokenizer's merging and spacing
-rules see what precedes the new tokens; ``decode(window) - decode(prefix)`` is the new
-text. While the window's text ends in U+FFFD (an incomplete UTF-8 sequence from byte-level
-BPE) the characters before it are released but the offsets stay put, so the next token
-re-decodes the split character whole. The window never grows without bound: tokens that
-never complete a character (a lone lead byte, again and again: ``allowed_token_ids`` can
-force it) would make each token re-decode everything since the last whole character,
-quadratic work on the frontend's event loop; past a few pending tokens the offsets move
-behind the last token (``_commit_behind_last_token``), so every token costs a bounded
-decode.
+Text comes from one of two decoders behind ``_TextDecoder``:
+
+``_StreamDecoder``, for a fast tokenizer (a Rust ``tokenizers.Tokenizer`` behind it), is
+``tokenizers.decoders.DecodeStream``, as vLLM v1 uses it: each token's step decodes, in
+Rust, the tokens of the last chunks plus the new one and returns the new text, or None
+while the text ends in U+FFFD (an incomplete UTF-8 sequence from byte-level BPE) or did not
+grow (a skipped special token). DecodeStream keeps every pending token in its window, so
+tokens that never complete a character (a lone lead byte, again and again:
+``allowed_token_ids`` can force it) would make each step decode everything since the last
+whole character, quadratic work on the frontend's event loop. Past ``_MAX_PENDING_TOKENS``
+pending tokens (or a stream error) the decoder hands the request over to a window decoder,
+seeded with the last chunk's tokens as left context, for good.
+
+``_WindowDecoder``, for any tokenizer with ``decode`` (and after a hand-over), decodes a
+small window of recent tokens, not the whole output (the prefix-offset/read-offset technique
+of vLLM and HF TGI): ``prefix_offset..read_offset`` is text already produced, kept as left
+context so that the tokenizer's merging and spacing rules see what precedes the new tokens;
+``decode(window) - decode(prefix)`` is the new text. While the window's text ends in U+FFFD
+the characters before it are released but the offsets stay put, so the next token re-decodes
+the split character whole. The window never grows without bound: past a few pending tokens
+the offsets move behind the last token (``_commit_behind_last_token``), so every token costs
+a bounded decode.
 
 Stop strings are searched only where a new character could complete one. ``get_delta_text``
 holds back the tail that may still turn into a stop string (unless the stop string is to be
@@ -19,6 +29,11 @@ included anyway); ``flush`` releases it, and any undecodable bytes, when the req
 """
 
 from __future__ import annotations
+
+from typing import Callable, Protocol
+
+from tokenizers import Tokenizer
+from tokenizers.decoders import DecodeStream
 
 from planaria.engine.sampling_params import SamplingParams
 
@@ -32,10 +47,18 @@ _MAX_PENDING_TOKENS = 4
 _MAX_WINDOW_TOKENS = 32
 
 
-def _decode_fn(tokenizer, skip_special_tokens: bool):
-    """The cheapest decode the tokenizer offers: the Rust tokenizer behind a fast HF one."""
+def _raw_tokenizer(tokenizer) -> Tokenizer | None:
+    """The Rust tokenizer behind a fast HF tokenizer (or the tokenizer itself), else None."""
+    if isinstance(tokenizer, Tokenizer):
+        return tokenizer
     raw = getattr(tokenizer, "backend_tokenizer", None) or getattr(tokenizer, "_tokenizer", None)
-    if raw is not None and hasattr(raw, "decode"):
+    return raw if isinstance(raw, Tokenizer) else None
+
+
+def _decode_fn(tokenizer, skip_special_tokens: bool) -> Callable[[list[int]], str]:
+    """The cheapest decode the tokenizer offers: the Rust tokenizer behind a fast HF one."""
+    raw = _raw_tokenizer(tokenizer)
+    if raw is not None:
         return lambda ids: raw.decode(ids, skip_special_tokens=skip_special_tokens)
     return lambda ids: tokenizer.decode(ids, skip_special_tokens=skip_special_tokens,
                                         clean_up_tokenization_spaces=False)
@@ -46,62 +69,32 @@ def detokenize_all(tokenizer, ids: list[int], skip_special_tokens: bool = True) 
     return _decode_fn(tokenizer, skip_special_tokens)(list(ids))
 
 
-class IncrementalDetokenizer:
-    def __init__(self, tokenizer, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        self._decode = _decode_fn(tokenizer, params.skip_special_tokens)
-        context = list(prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:])
-        self._ids: list[int] = context  # prompt context, then every output token
-        self._prefix_offset = 0
-        self._read_offset = len(context)
-        self._prefix_text = self._decode(context) if context else ""
-        self._num_window_chars = 0  # chars past prefix_text already taken from this window
-        self._stops = list(params.stop)
-        self._include_stop = params.include_stop_str_in_output
-        self._max_stop_chars = max((len(s) for s in self._stops), default=0)
-        self._chunks: list[str] = []  # output text, in pieces (joined on demand)
-        self._num_chars = 0
-        self._num_returned_chars = 0
-        self._finished = False
-        self.stop_str: str | None = None
-
-    # -- text ----------------------------------------------------------------------------
-    @property
-    def output_text(self) -> str:
-        """All text so far; a matched stop string is excluded unless included by request."""
-        if len(self._chunks) > 1:
-            self._chunks = ["".join(self._chunks)]
-        return self._chunks[0] if self._chunks else ""
-
-    def update(self, new_token_ids: list[int]) -> str | None:
-        """Append tokens; returns the stop string they completed, if any. Tokens after a
-        stop (or after flush) are ignored."""
-        if self.stop_str is not None or self._finished:
-            return None
-        self._ids.extend(new_token_ids)
-        return self._append(self._decode_window(force=False))
-
-    def get_delta_text(self) -> str:
-        """Text not yet returned, less a tail that may begin a stop string."""
-        end = self._num_chars
-        if not self._finished and self.stop_str is None and not self._include_stop:
-            end -= self._held_back_chars()
-        if end <= self._num_returned_chars:
-            return ""
-        # Only the last chunks can hold unreturned text; join the tail, not the whole.
-        tail = self._tail(self._num_chars - self._num_returned_chars)
-        delta = tail[:end - self._num_returned_chars]
-        self._num_returned_chars = end
-        return delta
+class _TextDecoder(Protocol):
+    def push(self, ids: list[int]) -> str:
+        """Text the new tokens complete (possibly none)."""
 
     def flush(self) -> str:
-        """The request ended without a stop: decode what is pending (U+FFFD and all) and
-        return everything not yet returned."""
-        if self.stop_str is None and not self._finished:
-            self._append(self._decode_window(force=True))
-        self._finished = True
-        return self.get_delta_text()
+        """Text of the tokens still pending, an incomplete character as U+FFFD."""
 
-    # -- internals -----------------------------------------------------------------------
+
+class _WindowDecoder:
+    """The prefix/read-offset window over any ``decode`` (module docstring)."""
+
+    def __init__(self, decode: Callable[[list[int]], str], context: list[int]) -> None:
+        self._decode = decode
+        self._ids: list[int] = list(context)  # left context, then every new token
+        self._prefix_offset = 0
+        self._read_offset = len(self._ids)
+        self._prefix_text = decode(self._ids) if self._ids else ""
+        self._num_window_chars = 0  # chars past prefix_text already taken from this window
+
+    def push(self, ids: list[int]) -> str:
+        self._ids.extend(ids)
+        return self._decode_window(force=False)
+
+    def flush(self) -> str:
+        return self._decode_window(force=True)
+
     def _decode_window(self, force: bool) -> str:
         """New text from the window ``prefix_offset..``. Characters before a trailing
         incomplete one are released at once; the offsets move when the window ends on a
@@ -161,6 +154,109 @@ class IncrementalDetokenizer:
         self._num_window_chars = max(0, released - len(head))
         return extra
 
+
+
+class _StreamDecoder:
+    """``DecodeStream`` while it keeps up; past ``_MAX_PENDING_TOKENS`` pending tokens, or
+    a stream error, a ``_WindowDecoder`` from then on (module docstring)."""
+
+    def __init__(self, raw: Tokenizer, decode: Callable[[list[int]], str], context: list[int],
+                 skip_special_tokens: bool) -> None:
+        self._raw, self._decode = raw, decode
+        self._stream = DecodeStream(ids=context, skip_special_tokens=skip_special_tokens)
+        self._context = list(context)  # the tokens of the last chunk: left context for a hand-over
+        self._pending: list[int] = []  # tokens since the last chunk
+        self._window: _WindowDecoder | None = None
+
+    def push(self, ids: list[int]) -> str:
+        if self._window is not None:
+            return self._window.push(ids)
+        chunks = []
+        for i, token in enumerate(ids):  # one step a token: each whole character goes out at once
+            try:
+                chunk = self._stream.step(self._raw, token)
+            except Exception:  # DecodeStreamError (raised as a plain Exception): the text
+                # changed behind the stream's prefix, which a decoder's rules may do
+                return "".join(chunks) + self._hand_over(ids[i:])
+            if chunk is None:
+                self._pending.append(token)
+                if len(self._pending) > _MAX_PENDING_TOKENS:
+                    return "".join(chunks) + self._hand_over(ids[i + 1:])
+            else:
+                self._pending.append(token)
+                self._context, self._pending = self._pending, []
+                chunks.append(chunk)
+        return "".join(chunks)
+
+    def flush(self) -> str:
+        if self._window is None:
+            self._hand_over([])
+        return self._window.flush()
+
+    def _hand_over(self, ids: list[int]) -> str:
+        """The window decoder takes over: the last chunk's tokens as its left context, the
+        pending tokens and ``ids`` as its new ones."""
+        self._window = _WindowDecoder(self._decode, self._context)
+        return self._window.push(self._pending + ids)
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        decode = _decode_fn(tokenizer, params.skip_special_tokens)
+        context = list(prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:])
+        raw = _raw_tokenizer(tokenizer)
+        self._decoder: _TextDecoder
+        # DecodeStream re-emits a context that ends mid-character; the window decoder does not
+        if raw is not None and not (context and decode(context).endswith(_REPLACEMENT)):
+            self._decoder = _StreamDecoder(raw, decode, context, params.skip_special_tokens)
+        else:
+            self._decoder = _WindowDecoder(decode, context)
+        self._stops = list(params.stop)
+        self._include_stop = params.include_stop_str_in_output
+        self._max_stop_chars = max((len(s) for s in self._stops), default=0)
+        self._chunks: list[str] = []  # output text, in pieces (joined on demand)
+        self._num_chars = 0
+        self._num_returned_chars = 0
+        self._finished = False
+        self.stop_str: str | None = None
+
+    # -- text ----------------------------------------------------------------------------
+    @property
+    def output_text(self) -> str:
+        """All text so far; a matched stop string is excluded unless included by request."""
+        if len(self._chunks) > 1:
+            self._chunks = ["".join(self._chunks)]
+        return self._chunks[0] if self._chunks else ""
+
+    def update(self, new_token_ids: list[int]) -> str | None:
+        """Append tokens; returns the stop string they completed, if any. Tokens after a
+        stop (or after flush) are ignored."""
+        if self.stop_str is not None or self._finished:
+            return None
+        return self._append(self._decoder.push(new_token_ids))
+
+    def get_delta_text(self) -> str:
+        """Text not yet returned, less a tail that may begin a stop string."""
+        end = self._num_chars
+        if not self._finished and self.stop_str is None and not self._include_stop:
+            end -= self._held_back_chars()
+        if end <= self._num_returned_chars:
+            return ""
+        # Only the last chunks can hold unreturned text; join the tail, not the whole.
+        tail = self._tail(self._num_chars - self._num_returned_chars)
+        delta = tail[:end - self._num_returned_chars]
+        self._num_returned_chars = end
+        return delta
+
+    def flush(self) -> str:
+        """The request ended without a stop: decode what is pending (U+FFFD and all) and
+        return everything not yet returned."""
+        if self.stop_str is None and not self._finished:
+            self._append(self._decoder.flush())
+        self._finished = True
+        return self.get_delta_text()
+
+    # -- stop strings and the output's pieces ---------------------------------------------
     def _append(self, delta: str) -> str | None:
         if not delta:
             return None

@@ -1,119 +1,133 @@
-"""Prometheus metrics in the text exposition format (0.0.4), written by hand: no dependency.
+"""Prometheus metrics (prometheus_client), one CollectorRegistry per FrontendMetrics.
 
-Request-side figures are recorded by ``frontend.generation``; engine-side gauges are read
-from ``EngineClient.engines`` when scraped. Engine deaths are counted from what the
-client shows: an engine seen entering "dead", or coming back with a new pid, died once.
-Replays (frontend/journal.py): a counter, the replay latency (the loss notice to the
-replayed request's first token), and wall-clock timestamps of the last death notice, READY,
-replay start and replay first token, so a benchmark can line them up with a kill's time.
+Each server owns its registry (tests build several servers in one process; nothing goes in
+prometheus_client's global default registry). Request-side figures are recorded by
+``frontend.generation``; the engine-side gauges and the in-flight count are read when
+scraped (``ScrapeCollector``, from ``EngineClient.engines``); the engines' step records come
+through ``IterationMetrics``; the process and GC collectors add ``process_*`` and
+``python_gc_*``. Engine deaths are counted from what the client shows: an engine seen
+entering "dead", or coming back with a new pid, died once. Replays (frontend/journal.py): a
+counter, the replay latency (the loss notice to the replayed request's first token), and
+wall-clock timestamps of the last death notice, READY, replay start and replay first token,
+so a benchmark can line them up with a kill's time. docs/metrics.md lists every metric.
 """
 
 from __future__ import annotations
 
-import math
-import time
-from typing import Iterable
+import re
+from typing import Callable, Iterable
 
-PREFIX = "planaria"
+from prometheus_client import CollectorRegistry, Counter, Gauge, GCCollector, Histogram, ProcessCollector
+from prometheus_client.exposition import generate_latest
+from prometheus_client.metrics_core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from planaria.frontend.iteration_metrics import IterationMetrics
 
 LATENCY_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
                      1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 ITL_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075,
                  0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
 
+# name, help, the figure of one engine (EngineInfo in engine/client.py). The test fakes of
+# EngineInfo carry no death or READY times, hence the getattr defaults on those two.
+_ENGINE_GAUGES: tuple[tuple[str, str, Callable[[object], float]], ...] = (
+    ("planaria_num_requests_running", "Requests running in the engine.",
+     lambda e: e.stats.num_running if e.stats else 0),
+    ("planaria_num_requests_waiting", "Requests waiting in the engine.",
+     lambda e: e.stats.num_waiting if e.stats else 0),
+    ("planaria_kv_cache_usage_perc", "Fraction of the engine's KV blocks in use.",
+     lambda e: e.stats.kv_usage if e.stats else 0.0),
+    ("planaria_engine_prefill_tokens", "Prompt tokens the engine ran through the model since it started "
+     "(prefix-cache hits and recomputes excluded).", lambda e: e.stats.num_prefill_tokens if e.stats else 0),
+    ("planaria_prefix_cache_hit_rate", "Fraction of the engine's prefix-cache block lookups that hit.",
+     lambda e: e.stats.prefix_cache_hit_rate if e.stats else 0.0),
+    ("planaria_engine_healthy", "1 while the engine is running.", lambda e: 1 if e.healthy else 0),
+    ("planaria_engine_last_death_timestamp_seconds", "Wall time this frontend learnt of the engine's last death.",
+     lambda e: getattr(e, "died_at_s", 0.0)),
+    ("planaria_engine_last_ready_timestamp_seconds", "Wall time of the engine's last READY.",
+     lambda e: getattr(e, "ready_at_s", 0.0)),
+)
+_IN_FLIGHT = ("planaria_http_requests_in_flight", "Generation requests this frontend is serving.")
+_MAX_IN_FLIGHT = ("planaria_http_max_requests_in_flight",
+                  "The bound beyond which requests get 429 (--max-inflight-requests).")
 
-def _fmt(v: float) -> str:
-    f = float(v)
-    if math.isinf(f):
-        return "+Inf" if f > 0 else "-Inf"
-    return str(int(f)) if f.is_integer() and abs(f) < 1e15 else repr(f)
-
-
-def _escape(value: object) -> str:
-    return str(value).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
-
-
-def _labels(pairs: Iterable[tuple[str, object]]) -> str:
-    items = [f'{k}="{_escape(v)}"' for k, v in pairs]
-    return "{" + ",".join(items) + "}" if items else ""
-
-
-class Histogram:
-    def __init__(self, name: str, help_: str, buckets: tuple[float, ...]) -> None:
-        self.name, self.help, self.buckets = name, help_, buckets
-        self.counts = [0] * len(buckets)
-        self.sum = 0.0
-        self.count = 0
-
-    def observe(self, value: float) -> None:
-        self.sum += value
-        self.count += 1
-        for i, b in enumerate(self.buckets):
-            if value <= b:
-                self.counts[i] += 1
-
-    def render(self, lines: list[str]) -> None:
-        lines.append(f"# HELP {self.name} {self.help}")
-        lines.append(f"# TYPE {self.name} histogram")
-        for b, c in zip(self.buckets, self.counts):
-            lines.append(f'{self.name}_bucket{{le="{_fmt(b)}"}} {c}')
-        lines.append(f'{self.name}_bucket{{le="+Inf"}} {self.count}')
-        lines.append(f"{self.name}_sum {_fmt(self.sum)}")
-        lines.append(f"{self.name}_count {self.count}")
+# A sample line whose value is integral: "name{...} 3.0". prometheus_client prints every value
+# as a float; the Go client, and this frontend before it used prometheus_client, print 3.
+_INTEGRAL_SAMPLE = re.compile(r"^([^#\n][^\n]* -?\d+)\.0$", re.M)
 
 
-class LabeledCounter:
-    def __init__(self, name: str, help_: str, label: str | None = None) -> None:
-        self.name, self.help, self.label = name, help_, label
-        self.values: dict[str, float] = {}
+class ScrapeCollector(Collector):
+    """Figures read when scraped: per-engine gauges from the client's engine views, the
+    frontend's in-flight count and its bound. ``view`` hands it one scrape's figures."""
 
-    def inc(self, label_value: str = "", amount: float = 1.0) -> None:
-        self.values[label_value] = self.values.get(label_value, 0.0) + amount
+    def __init__(self) -> None:
+        self._engines: tuple = ()
+        self._num_in_flight = 0
+        self._max_in_flight: int | None = None
 
-    def render(self, lines: list[str]) -> None:
-        lines.append(f"# HELP {self.name} {self.help}")
-        lines.append(f"# TYPE {self.name} counter")
-        if self.label is None:
-            lines.append(f"{self.name} {_fmt(self.values.get('', 0.0))}")
-            return
-        for value in sorted(self.values):
-            lines.append(f"{self.name}{_labels([(self.label, value)])} {_fmt(self.values[value])}")
+    def view(self, engines: Iterable, num_in_flight: int, max_in_flight: int | None) -> None:
+        self._engines = tuple(engines)
+        self._num_in_flight, self._max_in_flight = num_in_flight, max_in_flight
+
+    def describe(self) -> Iterable[Metric]:
+        """The families (without samples), so the registry refuses a clashing name."""
+        for name, help_, _ in _ENGINE_GAUGES:
+            yield GaugeMetricFamily(name, help_, labels=["engine"])
+        for name, help_ in (_IN_FLIGHT, _MAX_IN_FLIGHT):
+            yield GaugeMetricFamily(name, help_)
+
+    def collect(self) -> Iterable[Metric]:
+        for name, help_, get in _ENGINE_GAUGES:
+            family = GaugeMetricFamily(name, help_, labels=["engine"])
+            for e in self._engines:
+                family.add_metric([str(e.index)], get(e))
+            yield family
+        yield GaugeMetricFamily(*_IN_FLIGHT, value=self._num_in_flight)
+        if self._max_in_flight is not None:
+            yield GaugeMetricFamily(*_MAX_IN_FLIGHT, value=self._max_in_flight)
 
 
 class FrontendMetrics:
     def __init__(self, model_name: str = "") -> None:
-        p = PREFIX
         self.model_name = model_name
-        self.ttft = Histogram(f"{p}_time_to_first_token_seconds", "Time from arrival to the first generated token.",
-                              LATENCY_BUCKETS_S)
-        self.itl = Histogram(f"{p}_inter_token_latency_seconds", "Time between successive generated tokens.",
-                             ITL_BUCKETS_S)
-        self.e2e = Histogram(f"{p}_e2e_request_latency_seconds", "Time from arrival to the request's end.",
-                             LATENCY_BUCKETS_S)
-        self.success = LabeledCounter(f"{p}_request_success_total", "Requests finished, by finish reason.",
-                                      "finished_reason")
-        self.errors = LabeledCounter(f"{p}_request_errors_total", "Requests failed, by kind.", "kind")
-        self.prompt_tokens = LabeledCounter(f"{p}_prompt_tokens_total", "Prompt tokens of finished requests.")
-        self.generation_tokens = LabeledCounter(f"{p}_generation_tokens_total", "Tokens generated.")
-        self.engine_deaths = LabeledCounter(f"{p}_engine_deaths_total", "Engine deaths seen by this frontend.")
-        self.replays = LabeledCounter(f"{p}_request_replays_total",
-                                      "Requests resubmitted to another engine after an engine fault.")
-        self.replay_latency = Histogram(f"{p}_replay_latency_seconds",
-                                        "Time from an engine loss notice to the replayed request's first token.",
-                                        LATENCY_BUCKETS_S)
-        self.last_replay_start_at_s = 0.0  # time.time() of the last replay submission
-        self.last_replay_token_at_s = 0.0  # time.time() of the last replay's first token
-        self._seen: dict[int, tuple[int | None, str]] = {}  # engine index -> (pid, state)
-        from planaria.frontend.iteration_metrics import IterationMetrics
-
+        self.registry = r = CollectorRegistry()
+        self.ttft = Histogram("planaria_time_to_first_token_seconds", "Time from arrival to the first generated token.",
+                              buckets=LATENCY_BUCKETS_S, registry=r)
+        self.itl = Histogram("planaria_inter_token_latency_seconds", "Time between successive generated tokens.",
+                             buckets=ITL_BUCKETS_S, registry=r)
+        self.e2e = Histogram("planaria_e2e_request_latency_seconds", "Time from arrival to the request's end.",
+                             buckets=LATENCY_BUCKETS_S, registry=r)
+        self.replay_latency = Histogram(
+            "planaria_replay_latency_seconds", "Time from an engine loss notice to the replayed request's first token.",
+            buckets=LATENCY_BUCKETS_S, registry=r)
+        self.success = Counter("planaria_request_success_total", "Requests finished, by finish reason.",
+                               ["finished_reason"], registry=r)
+        self.errors = Counter("planaria_request_errors_total", "Requests failed, by kind.", ["kind"], registry=r)
+        self.prompt_tokens = Counter("planaria_prompt_tokens_total", "Prompt tokens of finished requests.", registry=r)
+        self.generation_tokens = Counter("planaria_generation_tokens_total", "Tokens generated.", registry=r)
+        self.engine_deaths = Counter("planaria_engine_deaths_total", "Engine deaths seen by this frontend.",
+                                     registry=r)
+        self.replays = Counter("planaria_request_replays_total",
+                               "Requests resubmitted to another engine after an engine fault.", registry=r)
+        self.last_replay_start = Gauge("planaria_replay_last_start_timestamp_seconds",
+                                       "Wall time of the last replay submission.", registry=r)
+        self.last_replay_token = Gauge("planaria_replay_last_first_token_timestamp_seconds",
+                                       "Wall time of the last replay's first token.", registry=r)
+        self._scrape = ScrapeCollector()
+        r.register(self._scrape)
         self.iterations = IterationMetrics()  # engines' step records (EngineConfig.iteration_details)
+        r.register(self.iterations)
+        ProcessCollector(registry=r)
+        GCCollector(registry=r)
+        self._seen: dict[int, tuple[int | None, str]] = {}  # engine index -> (pid, state)
 
     # -- recorders (frontend.generation) ---------------------------------------------------
     def record_request(self, *, finish_reason: str, num_prompt_tokens: int, num_output_tokens: int,
                        e2e_s: float, ttft_s: float | None, itl_s: list[float]) -> None:
-        self.success.inc(finish_reason)
-        self.prompt_tokens.inc(amount=num_prompt_tokens)
-        self.generation_tokens.inc(amount=num_output_tokens)
+        self.success.labels(finish_reason).inc()
+        self.prompt_tokens.inc(num_prompt_tokens)
+        self.generation_tokens.inc(num_output_tokens)
         self.e2e.observe(e2e_s)
         if ttft_s is not None:
             self.ttft.observe(ttft_s)
@@ -121,15 +135,15 @@ class FrontendMetrics:
             self.itl.observe(v)
 
     def record_error(self, kind: str) -> None:
-        self.errors.inc(kind)
+        self.errors.labels(kind).inc()
 
     def record_replay(self) -> None:
         self.replays.inc()
-        self.last_replay_start_at_s = time.time()
+        self.last_replay_start.set_to_current_time()
 
     def record_replay_latency(self, latency_s: float) -> None:
         self.replay_latency.observe(latency_s)
-        self.last_replay_token_at_s = time.time()
+        self.last_replay_token.set_to_current_time()
 
     def observe_engines(self, engines) -> None:
         """Count deaths from the client's view of its engines; call often (and at scrape)."""
@@ -148,49 +162,10 @@ class FrontendMetrics:
 
     # -- exposition ------------------------------------------------------------------------
     def render(self, engines=(), num_in_flight: int = 0, max_in_flight: int | None = None) -> str:
+        """The text exposition (format 0.0.4) of this frontend's registry; ``engines`` is
+        the client's engine list, read once here."""
+        engines = tuple(engines)
         self.observe_engines(engines)
-        lines: list[str] = []
-        for h in (self.ttft, self.itl, self.e2e, self.replay_latency):
-            h.render(lines)
-        for c in (self.success, self.errors, self.prompt_tokens, self.generation_tokens, self.engine_deaths,
-                  self.replays):
-            c.render(lines)
-        p = PREFIX
-        for name, help_, value in (
-                ("replay_last_start_timestamp_seconds", "Wall time of the last replay submission.",
-                 self.last_replay_start_at_s),
-                ("replay_last_first_token_timestamp_seconds", "Wall time of the last replay's first token.",
-                 self.last_replay_token_at_s)):
-            lines.append(f"# HELP {p}_{name} {help_}")
-            lines.append(f"# TYPE {p}_{name} gauge")
-            lines.append(f"{p}_{name} {_fmt(value)}")
-        gauges = (
-            ("num_requests_running", "Requests running in the engine.", lambda e: e.stats.num_running if e.stats else 0),
-            ("num_requests_waiting", "Requests waiting in the engine.", lambda e: e.stats.num_waiting if e.stats else 0),
-            ("kv_cache_usage_perc", "Fraction of the engine's KV blocks in use.",
-             lambda e: e.stats.kv_usage if e.stats else 0.0),
-            ("engine_prefill_tokens", "Prompt tokens the engine ran through the model since it started "
-             "(prefix-cache hits and recomputes excluded).", lambda e: e.stats.num_prefill_tokens if e.stats else 0),
-            ("prefix_cache_hit_rate", "Fraction of the engine's prefix-cache block lookups that hit.",
-             lambda e: e.stats.prefix_cache_hit_rate if e.stats else 0.0),
-            ("engine_healthy", "1 while the engine is running.", lambda e: 1 if e.healthy else 0),
-            ("engine_last_death_timestamp_seconds", "Wall time this frontend learnt of the engine's last death.",
-             lambda e: getattr(e, "died_at_s", 0.0)),
-            ("engine_last_ready_timestamp_seconds", "Wall time of the engine's last READY.",
-             lambda e: getattr(e, "ready_at_s", 0.0)),
-        )
-        for name, help_, get in gauges:
-            lines.append(f"# HELP {p}_{name} {help_}")
-            lines.append(f"# TYPE {p}_{name} gauge")
-            for e in engines:
-                lines.append(f"{p}_{name}{_labels([('engine', e.index)])} {_fmt(get(e))}")
-        lines.append(f"# HELP {p}_http_requests_in_flight Generation requests this frontend is serving.")
-        lines.append(f"# TYPE {p}_http_requests_in_flight gauge")
-        lines.append(f"{p}_http_requests_in_flight {num_in_flight}")
-        if max_in_flight is not None:
-            lines.append(f"# HELP {p}_http_max_requests_in_flight The bound beyond which requests get 429 "
-                         "(--max-inflight-requests).")
-            lines.append(f"# TYPE {p}_http_max_requests_in_flight gauge")
-            lines.append(f"{p}_http_max_requests_in_flight {max_in_flight}")
-        self.iterations.render(lines)
-        return "\n".join(lines) + "\n"
+        self._scrape.view(engines, num_in_flight, max_in_flight)
+        text = generate_latest(self.registry).decode()
+        return _INTEGRAL_SAMPLE.sub(r"\1", text)
