@@ -3,7 +3,7 @@
     .venv/bin/python -m bench.scale_up [--model DIR] [--preset bench-moe] [--trials 2] [--load-s 20]
 
 A real deployment (embedded etcd, HTTP frontend, EP engine processes, leader
-controller; elastic/harness.py) on the bench-moe demo model. Each trial scales 2 -> 3
+controller; tests/elastic/_deployment.py) on the bench-moe demo model. Each trial scales 2 -> 3
 (timed) and back 3 -> 2 in four ways: the new engine reusing the group's published KV
 figure ("reused": no profiling, no warm-up) or profiling, each launched cold (a new
 interpreter) and from a warm standby process (elastic/standby.py: imports done, waiting
@@ -35,7 +35,7 @@ from pathlib import Path
 import aiohttp
 
 from bench.streaming_load import stream_completion
-from planaria.elastic.harness import EPDeployment
+from tests.elastic._deployment import EPDeployment
 
 MODES = [("reused", False), ("profiled", False), ("reused", True), ("profiled", True)]
 

@@ -43,6 +43,8 @@ from pathlib import Path
 
 import msgspec
 
+from planaria.common.sockets import ipc_addresses
+
 REPO = Path(__file__).resolve().parents[1]
 ENGINE_CONFIG = dict(kv_cache_bytes=16 * 2**20, max_model_len=256, max_num_seqs=64,
                      max_num_batched_tokens=1024, num_threads=1)
@@ -113,8 +115,6 @@ class ServeStack:
 
     # -- lifecycle ------------------------------------------------------------------------
     def command(self) -> list[str]:
-        from planaria.engine.client import ipc_addresses
-
         heartbeat_s = self.hang_timeout_s / 4
         return [sys.executable, "-m", "planaria.daemon.cli", "serve", "--model", str(self.model),
                 "--engines", str(self.num_engines), "--max-engines", str(self.num_engines),

@@ -111,6 +111,7 @@ class AdminClient:
 
     def _explain_silence(self, monitor: zmq.Socket) -> None:
         """No reply over TCP+CURVE: raise what the socket's monitor events say happened."""
+        # deferred: zmq.utils.monitor imports asyncio; the CLI must start fast
         from zmq.utils.monitor import recv_monitor_message
 
         seen = set()

@@ -63,6 +63,15 @@ def tcp_endpoint(tcp: str) -> str:
     return f"tcp://{host}:{'*' if int(port) == 0 else port}"
 
 
+def ipc_addresses(runtime_dir: str | os.PathLike, client_index: int = 0) -> tuple[str, str]:
+    """The (ROUTER, PULL) ipc addresses of frontend ``client_index`` under ``runtime_dir``:
+    engines connect to both (engine.client.EngineClient binds them), the supervisor pushes
+    ENGINE_CORE_DEAD to the second."""
+    base = Path(runtime_dir)
+    return (ipc_endpoint(base / f"fe{client_index}-in", "frontend input socket"),
+            ipc_endpoint(base / f"fe{client_index}-out", "frontend output socket"))
+
+
 def frontend_admin_socket_path(runtime_dir: str | os.PathLike, client_index: int = 0) -> Path:
     """Frontend ``client_index``'s admin socket (frontend/admin.py serves it, the daemon calls it)."""
     return check_unix_path(Path(runtime_dir) / f"fe{client_index}-admin", "frontend admin socket")
@@ -108,6 +117,7 @@ def load_curve_keypair(path: str | os.PathLike) -> tuple[bytes, bytes]:
 
 
 def _load_certificate(path: str | os.PathLike) -> tuple[bytes, bytes | None]:
+    # deferred: zmq.auth (and logging with it) slows the CLI's start; only key files need it
     import zmq.auth
 
     try:

@@ -23,14 +23,10 @@ from pathlib import Path
 import zmq
 import zmq.auth
 
-from planaria.daemon.errors import DaemonError
+from planaria.daemon.errors import AdminKeyError
 
 SERVER_NAME = "server"
 AUTHORIZED_DIR = "authorized"
-
-
-class AdminKeyError(DaemonError):
-    """A CurveZMQ key file is missing, unreadable or not a key."""
 
 
 def make_keypair(directory: str | os.PathLike, name: str) -> tuple[Path, Path]:

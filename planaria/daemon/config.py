@@ -23,6 +23,7 @@ never its command line.
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import os
 import shlex
 from collections.abc import Mapping
@@ -201,6 +202,7 @@ class ServeConfig(msgspec.Struct, kw_only=True, frozen=True):
         return host, int(port) if port else None
 
     def etcd_security(self):
+        # deferred: every CLI command imports this module (serve's flags); only serve needs it
         from planaria.elastic.etcd_security import EtcdSecurity
 
         return EtcdSecurity(ca_cert=self.etcd_ca_cert, cert=self.etcd_cert, key=self.etcd_key,
@@ -237,8 +239,9 @@ class ServeConfig(msgspec.Struct, kw_only=True, frozen=True):
         return {address: keys[0] if len(keys) == 1 else keys[i] for i, address in enumerate(tcp)}
 
     def restart_policy(self):
+        # deferred: every CLI command imports this module (serve's flags); they cost it ~8 ms
         from planaria.daemon.restart_policy import RestartPolicy
-        from planaria.engine.proc import EXIT_CONFIG_MISMATCH
+        from planaria.engine.lifecycle import EXIT_CONFIG_MISMATCH
 
         # An engine refused for its configuration is refused again as it is: no restart loop.
         fatal = {EXIT_CONFIG_MISMATCH: "configuration error: a frontend refused the engine "
@@ -254,8 +257,6 @@ class ServeConfig(msgspec.Struct, kw_only=True, frozen=True):
 
 
 def _ip(text: str, flag: str) -> str:
-    import ipaddress
-
     try:
         return str(ipaddress.ip_address(text))
     except ValueError:

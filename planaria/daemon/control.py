@@ -183,6 +183,7 @@ class ControlServer:
                   client_keys: Iterable[bytes | str] | None) -> zmq.Socket:
         endpoint = tcp_endpoint(tcp)
         if client_keys is not None:
+            # deferred: zmq.auth slows the CLI's admin commands (ControlClient lives here too)
             from zmq.auth.thread import ThreadAuthenticator
 
             self._auth = ThreadAuthenticator(self._context)

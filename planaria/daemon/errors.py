@@ -17,6 +17,10 @@ class DaemonAlreadyRunningError(DaemonError):
     """Another supervisor holds this runtime directory's control socket."""
 
 
+class AdminKeyError(DaemonError):
+    """A CurveZMQ key file is missing, unreadable or not a key (daemon/admin_keys.py)."""
+
+
 class RuntimeDirError(DaemonError):
     """The runtime directory is unsafe for the daemon's sockets: writable by others, or
     owned by another user (who could then bind sockets there, e.g. pose as an engine and

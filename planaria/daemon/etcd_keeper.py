@@ -37,6 +37,7 @@ import structlog
 from planaria.daemon.children import describe_exit
 from planaria.daemon.restart_policy import RestartAt, RestartNow, RestartPolicy
 from planaria.elastic.errors import EtcdError, EtcdStartError
+from planaria.elastic.etcd_bootstrap import start_secured
 from planaria.elastic.etcd_server import EmbeddedEtcd
 
 log = structlog.get_logger("planaria.etcd")
@@ -186,8 +187,6 @@ class EtcdKeeper:
             self.reason = getattr(action, "reason", self.reason)
 
     def _start_once(self) -> None:
-        from planaria.elastic.etcd_bootstrap import start_secured
-
         self.state = EtcdState.STARTING
         now = self._clock()
         self.policy.record_start(KEY, now)

@@ -7,7 +7,7 @@
     standby:   python -m planaria.elastic.standby --model M --ready-file R/standby-K.ready (EP; stdin a pipe)
 
 Sockets in the runtime dir: ``fe0-in`` / ``fe0-out`` are the frontend's ROUTER / PULL
-(engine.client.ipc_addresses); ``sv-hb`` is the supervisor's heartbeat PULL, ``sv-fe``
+(common.sockets.ipc_addresses); ``sv-hb`` is the supervisor's heartbeat PULL, ``sv-fe``
 its PULL for the frontend's liveness beats (``--liveness-address``, frontend/liveness.py).
 Engines also connect to each ``--extra-client-addresses`` ROUTER (one more
 ``--input-addr``). Children do not inherit ``NOTIFY_SOCKET`` (the supervisor builds its
@@ -28,13 +28,15 @@ from __future__ import annotations
 
 import functools
 import os
+import socket
 import sys
 from pathlib import Path
 from typing import Any, Mapping
 
 import msgspec
 
-from planaria.common.sockets import engine_curve_env
+from planaria.common.sockets import engine_curve_env, ipc_addresses
+from planaria.daemon.admin_keys import make_keypair
 from planaria.daemon.children import ChildSpec
 from planaria.daemon.config import API_KEY_ENV, PRIORITY_KEY_ENV, ServeConfig
 
@@ -74,8 +76,6 @@ def frontend_liveness_address(config: ServeConfig) -> str:
 def frontend_addresses(config: ServeConfig) -> tuple[str, str]:
     """The frontend's (ROUTER, PULL) addresses: engines connect to both, the supervisor
     pushes ENGINE_CORE_DEAD to the second."""
-    from planaria.engine.client import ipc_addresses
-
     return ipc_addresses(config.runtime_dir, 0)
 
 
@@ -84,8 +84,6 @@ def _json(value: Any) -> str:
 
 
 def node_id(config: ServeConfig) -> str:
-    import socket
-
     return config.node_id or socket.gethostname()
 
 
@@ -179,8 +177,6 @@ class Launcher:
         servers = self.config.extra_client_server_keys()
         if not servers:
             return {}
-        from planaria.daemon.admin_keys import make_keypair
-
         keys_dir = Path(self.config.state_dir) / ENGINE_KEYS_DIR
         secret = keys_dir / "engine.key_secret"
         if not secret.exists():

@@ -19,8 +19,8 @@ does not decode (any bytes, any nesting: ``engine.heartbeat.decode`` raises only
 drops it and its connection); the control socket answers or drops bad requests itself
 (daemon/control.py); the signal wakeup socket, the pidfd handlers and the frontend
 liveness reader are guarded the same way (``num_failed_events``). The sockets' files are
-0600 (``common.sockets.bind_private``). Also here: ``DeathReporter``, the PUSH socket that tells the frontend
-an engine died (ENGINE_CORE_DEAD on its PULL, as engine.wire describes).
+0600 (``common.sockets.bind_private``). The PUSH socket that tells the frontend an engine
+died is ``engine.death_reporter.DeathReporter`` (serve builds it).
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ from __future__ import annotations
 import os
 import signal
 import socket
-import time
 from typing import Callable
 
 import msgspec
@@ -44,47 +43,6 @@ log = get_logger("planaria.loop")
 
 HEARTBEAT_MAX_BYTES = 64 * 1024  # a heartbeat (or a frontend liveness beat) is a few hundred bytes
 MAX_HEARTBEATS_PER_POLL = 1000
-
-
-class DeathReporter:
-    """Sends ENGINE_CORE_DEAD for an engine to the frontend's PULL socket. Never blocks:
-    ``IMMEDIATE`` means no queueing for a frontend that is not connected (it would
-    otherwise deliver stale deaths to the next frontend)."""
-
-    def __init__(self, ctx: zmq.Context, address: str) -> None:
-        from planaria.engine.wire import WireEncoder
-
-        self.address = address
-        self._enc = WireEncoder(reuse_buffer=False)
-        self._sock = ctx.socket(zmq.PUSH)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.setsockopt(zmq.IMMEDIATE, 1)
-        self._sock.setsockopt(zmq.SNDHWM, 64)
-        self._sock.connect(address)
-
-    def __call__(self, engine_id: int, pid: int | None, reason: str, cause: str = "",
-                 suspects: list[str] | tuple = ()) -> bool:
-        from planaria.engine.wire import EngineDead, MsgType
-
-        frames = self._enc.encode(MsgType.ENGINE_CORE_DEAD,
-                                  EngineDead(engine_index=engine_id, reason=reason, pid=pid,
-                                             # when we saw it die: a frontend does not count
-                                             # the death against requests sent after it
-                                             fault_monotonic_s=time.monotonic(), cause=cause,
-                                             suspects=list(suspects)))
-        try:
-            self._sock.send_multipart(frames, zmq.NOBLOCK)
-        except zmq.Again:
-            log.warning("frontend not connected; ENGINE_CORE_DEAD not delivered",
-                        engine_id=engine_id, pid=pid)
-            return False
-        log.info("reported engine death to the frontend", engine_id=engine_id, pid=pid,
-                 reason=reason, sent_at=time.time(), **({"cause": cause} if cause else {}),
-                 **({"suspects": list(suspects)} if suspects else {}))
-        return True
-
-    def close(self) -> None:
-        self._sock.close(linger=0)
 
 
 def command_handler(supervisor, commands: dict[str, object]) -> Callable[[AdminRequest], Ok]:

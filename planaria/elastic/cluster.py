@@ -6,7 +6,8 @@
     cluster.stop()
 
 ``ProcessLauncher`` starts ``python -m planaria.elastic.ep_proc`` engine processes that connect to
-this node's frontend (the harness and bench/: the leader launches every engine itself).
+this node's frontend (tests/elastic/_deployment.py, for tests and bench/: the leader launches
+every engine itself).
 ``planaria serve`` passes no launcher and ``place_engines=True``: the leader places the
 engines over the nodes (the ``placement`` key) and each supervisor starts its own share.
 The node record carries the node's routable ``host``, its rendezvous address and its
@@ -37,6 +38,7 @@ from planaria.elastic.errors import ElasticError, EtcdUnavailableError
 from planaria.elastic.keys import NodeInfo
 from planaria.elastic.membership import Membership
 from planaria.elastic.node_view import LeaderWatch, NodeView, campaign_spread_s
+from planaria.engine.models.loader import load_hf_config, model_fingerprint, spec_from_config
 
 log = structlog.get_logger("planaria.elastic.cluster")
 MIN_TICK_S = 0.005
@@ -196,8 +198,6 @@ class EPNode:
                  switch_timeout_s: float = 30.0, security=None, host: str = "127.0.0.1",
                  capacity: dict[str, int] | None = None, addresses: dict[str, str] | None = None,
                  place_engines: bool = False) -> None:
-        from planaria.engine.models.loader import load_hf_config, model_fingerprint, spec_from_config
-
         self.node_id, self.cluster = node_id, cluster
         self._wake = threading.Event()  # a change the controller or the view acts on
         self.membership = Membership.from_endpoints(etcd_endpoints, cluster, node_id, ttl_s=lease_ttl_s,

@@ -29,9 +29,10 @@ Each ``tick`` observes, decides, then acts, as torch.distributed.elastic's agent
   write refused because another leader or another write got there first: the next tick
   decides again on a fresh view).
 
-Launching mode (the harness and bench/): too few engines for `desired` are launched
-through the injected ``launch(engine_id, kv_cache_bytes)``; a scale-up launch passes the
-smallest published KV figure of the group, so the new engine skips profiling. Placed mode
+Launching mode (tests/elastic/_deployment.py, for tests and bench/): too few engines for
+`desired` are launched through the injected ``launch(engine_id, kv_cache_bytes)``; a
+scale-up launch passes the smallest published KV figure of the group, so the new engine
+skips profiling. Placed mode
 (``planaria serve``: every supervisor starts its own engines): the controller launches
 nothing; it places ``desired`` over the nodes (elastic/placement.py), writes the
 ``placement`` key (fenced like the epoch) and plans epochs over the engines it keeps;

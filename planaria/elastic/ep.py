@@ -22,6 +22,7 @@ Applied as a transform (``apply_expert_parallel``): the model code only has a ho
 from __future__ import annotations
 
 import datetime
+import socket
 import threading
 import time
 from typing import Callable
@@ -31,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from planaria.elastic.errors import ElasticError
+from planaria.engine.models.decoder import SparseMoE
 from planaria.kernels.moe import grouped_expert_mlp
 
 
@@ -198,8 +200,6 @@ class EPGroup:
 
 def _local_ip(store_host: str) -> str:
     """The local address that routes to the store (loopback stays loopback)."""
-    import socket
-
     if store_host.startswith("127.") or store_host == "localhost":
         return "127.0.0.1"
     s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
@@ -250,8 +250,6 @@ class ExpertParallel:
 
 def apply_expert_parallel(model, ep: ExpertParallel | None) -> int:
     """Route every SparseMoE layer through ``ep`` (None: back to local). Returns layers."""
-    from planaria.engine.models.decoder import SparseMoE
-
     n = 0
     for m in model.modules():
         if isinstance(m, SparseMoE):

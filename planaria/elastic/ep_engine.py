@@ -169,6 +169,7 @@ def loaded_expert_range(model) -> tuple[int, int] | None:
 
 def make_ep_core(config, spec: EPSpec, progress=None):
     """EngineCore loading only the non-expert weights and this rank's experts."""
+    # deferred: engine.core brings the whole model stack; ep_proc joins etcd before loading it
     from planaria.engine.core import EngineCore
 
     core = EngineCore(config, expert_range=spec.expert_range(), progress=progress)

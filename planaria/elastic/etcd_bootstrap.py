@@ -36,6 +36,7 @@ import msgspec
 import structlog
 
 from planaria.elastic.etcd_auth import audit_auth, enable_root_auth, root_credential
+from planaria.elastic.etcd_pki import TLS_DIR, server_tls, tls_hosts
 from planaria.elastic.etcd_security import EtcdSecurity
 from planaria.elastic.etcd_server import EmbeddedEtcd, is_loopback
 
@@ -57,8 +58,6 @@ def embedded_etcd(etcd_dir: str | os.PathLike[str], host: str = "127.0.0.1", por
                   advertise_host: str = "", exposed: bool | None = None,
                   die_with_parent: bool = True) -> Embedded:
     """The embedded etcd under ``etcd_dir`` listening on ``host``:``port`` (not started)."""
-    from planaria.elastic.etcd_pki import TLS_DIR, server_tls, tls_hosts
-
     exposed = not is_loopback(host) if exposed is None else exposed
     security = root_credential(etcd_dir)
     tls = None

@@ -28,6 +28,8 @@ import subprocess
 from collections.abc import Iterable
 from pathlib import Path
 
+import psutil
+
 from planaria.elastic.errors import EtcdStartError
 from planaria.elastic.etcd_server import ServerTLS
 
@@ -53,8 +55,6 @@ def tls_hosts(listen_host: str, advertise_host: str = "") -> list[str]:
 
 
 def _interface_addresses() -> list[str]:
-    import psutil
-
     out = []
     for addresses in psutil.net_if_addrs().values():
         for a in addresses:

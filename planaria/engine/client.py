@@ -34,8 +34,9 @@ from typing import Any, AsyncIterator, Callable, Iterable
 import msgspec
 import zmq
 import zmq.asyncio
+from zmq.auth.thread import ThreadAuthenticator
 
-from planaria.common.sockets import CurveKeySet, bind_private, ipc_endpoint, set_curve_server
+from planaria.common.sockets import CurveKeySet, bind_private, ipc_addresses, set_curve_server
 from planaria.engine.errors import (EngineDeadError, EngineFaultError, EngineHandshakeError,
                            NoEngineAvailableError, UtilityCallError, WireFormatError)
 from planaria.engine.messages import EngineCoreOutput, EngineCoreRequest, SchedulerStats
@@ -116,13 +117,6 @@ class _Stream:
         self.group_id = group_id
 
 
-def ipc_addresses(runtime_dir: str | Path, client_index: int = 0) -> tuple[str, str]:
-    """The (ROUTER, PULL) ipc addresses of frontend ``client_index`` under ``runtime_dir``."""
-    base = Path(runtime_dir)
-    return (ipc_endpoint(base / f"fe{client_index}-in", "frontend input socket"),
-            ipc_endpoint(base / f"fe{client_index}-out", "frontend output socket"))
-
-
 class EngineClient:
     def __init__(self, num_engines: int, runtime_dir: str | Path | None = None, *,
                  client_index: int = 0, input_address: str | None = None,
@@ -194,8 +188,6 @@ class EngineClient:
             return self.input_address, self.output_address
         self._ctx = zmq.asyncio.Context()
         if self._curve_authorized is not None:
-            from zmq.auth.thread import ThreadAuthenticator
-
             # ZAP is answered on the context's inproc socket, from a thread: a plain
             # (not asyncio) view of the same context.
             self._auth = ThreadAuthenticator(zmq.Context.shadow(self._ctx.underlying))

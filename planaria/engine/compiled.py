@@ -35,6 +35,7 @@ import time
 import structlog
 import torch
 
+from planaria.kernels import cpu_ext
 from planaria.kernels.attention import AttentionMetadata, build_metadata
 
 log = structlog.get_logger("planaria.engine.compiled")
@@ -76,8 +77,6 @@ def _inference(x: torch.Tensor) -> torch.Tensor:
 
 def compilable(model, expert_parallel: bool = False) -> str | None:
     """Why this model's forward cannot take the compiled path (None: it can)."""
-    from planaria.kernels import cpu_ext
-
     if expert_parallel or any(getattr(m, "ep_forward", None) is not None for m in model.modules()):
         return "expert parallelism (MoE layers exchange tokens with peers mid-forward)"
     if next(model.parameters()).device.type == "cpu" and not cpu_ext.available():

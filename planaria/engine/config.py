@@ -6,6 +6,8 @@ import hashlib
 
 import msgspec
 
+from planaria.engine.errors import EngineError
+
 
 class EngineConfig(msgspec.Struct, kw_only=True, omit_defaults=True):
     model: str
@@ -46,8 +48,6 @@ class EngineConfig(msgspec.Struct, kw_only=True, omit_defaults=True):
     compile: bool = False
 
     def validate(self) -> None:
-        from planaria.engine.errors import EngineError
-
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise EngineError(f"block_size must be a positive power of two, got {self.block_size}")
         if self.max_num_seqs <= 0:

@@ -156,6 +156,7 @@ def train_tokenizer(vocab_size: int = VOCAB_SIZE, progress: Progress = _quiet) -
     The cache key hashes the settings and the corpus itself, so a different Python
     install (different stdlib) trains its own tokenizer rather than reusing a stale one.
     """
+    # deferred: tokenizers is heavy; the CLI imports this module at --help
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     texts = _stdlib_corpus(TOKENIZER_CORPUS_BYTES)
@@ -193,6 +194,7 @@ def train_tokenizer(vocab_size: int = VOCAB_SIZE, progress: Progress = _quiet) -
 
 def load_demo_tokenizer(vocab_size: int = VOCAB_SIZE, progress: Progress = _quiet):
     """The trained tokenizer wrapped as a ``PreTrainedTokenizerFast`` with ChatML."""
+    # deferred: tokenizers and transformers are heavy; the CLI imports this module at --help
     from tokenizers import Tokenizer
     from transformers import PreTrainedTokenizerFast
 
@@ -244,6 +246,7 @@ def build_demo_model(
     path = Path(path)
     check_target(path, overwrite)
 
+    # deferred: torch and transformers are heavy; the CLI imports this module at --help
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 

@@ -22,6 +22,7 @@ import msgspec
 
 from planaria.engine.config import EngineConfig
 from planaria.engine.core import create_engine_core
+from planaria.engine.detokenizer import IncrementalDetokenizer
 from planaria.engine.errors import InvalidRequestError
 from planaria.engine.messages import EngineCoreRequest, Logprobs
 from planaria.engine.sampling_params import SamplingParams, sibling_params
@@ -54,6 +55,7 @@ class RequestOutput:
 
 
 def load_tokenizer(model_dir: str):
+    # deferred: transformers is heavy (seconds); importing the engine must not pay it
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(model_dir)
@@ -61,6 +63,7 @@ def load_tokenizer(model_dir: str):
 
 def stop_token_ids_for(model_dir: str, tokenizer) -> tuple[int | None, list[int]]:
     """(eos id, extra ids that also end generation) from generation_config.json / tokenizer."""
+    # deferred: transformers is heavy (seconds); importing the engine must not pay it
     from transformers import GenerationConfig
 
     extra: list[int] = []
@@ -90,8 +93,6 @@ class LLM:
                  structured_output: dict | list[dict | None] | None = None) -> list[RequestOutput]:
         """``structured_output``: one spec for every prompt, or one (or None) per prompt
         (see engine/structured_output.py)."""
-        from planaria.engine.detokenizer import IncrementalDetokenizer
-
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params_list = sampling_params if isinstance(sampling_params, list) else [sampling_params or SamplingParams()] * len(prompts)

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import inspect
 import logging
 import os
 import queue
@@ -46,6 +47,7 @@ from collections import defaultdict
 from typing import Any, Callable, NoReturn
 
 import msgspec
+import psutil
 import zmq
 
 from planaria.engine import envs
@@ -54,6 +56,8 @@ from planaria.engine.core_protocol import EngineCoreProtocol
 from planaria.engine.errors import (ConfigMismatchError, EngineHandshakeError, EngineStateError,
                                     FaultInjectionDisabledError, RequestExecutionError, WeightLoadError,
                                     WeightLoadInProgressError)
+from planaria.engine.flight_record import FlightRecorder
+from planaria.engine.heartbeat import Heartbeat, HeartbeatThread
 from planaria.engine.lifecycle import (EXIT_CONFIG_MISMATCH, EXIT_DEAD, EXIT_HANDSHAKE, EXIT_OK,
                                        EXIT_USAGE, AbandonStart, Action, Die, EngineExit, EngineLifecycle,
                                        EngineState, Refused, ResetPrefixCache, RollBack, SetState, Signalled,
@@ -155,8 +159,6 @@ class EngineCoreProc:
                                        on_abort=self._abort_eagerly)
             input_thread.start()
             if self.settings.heartbeat_address:
-                from planaria.engine.heartbeat import HeartbeatThread
-
                 heartbeat_thread = HeartbeatThread(ctx, self.settings.heartbeat_address,
                                                    self.settings.heartbeat_interval_s, self._heartbeat)
                 heartbeat_thread.start()
@@ -189,6 +191,7 @@ class EngineCoreProc:
                 raise EngineHandshakeError("no engine config on the command line or in the handshake")
             self.config = msgspec.convert(raw, EngineConfig)
         if self._core_factory is None:
+            # deferred: engine.core imports torch; the engine handshakes before it loads it
             from planaria.engine.core import create_engine_core  # EngineCore, or the pooling core
 
             self._core_factory = create_engine_core
@@ -199,8 +202,6 @@ class EngineCoreProc:
     def _record_flights(self) -> None:
         """Write the flight record where the supervisor looks for it (none when not told)."""
         if self.settings.flight_record_path:
-            from planaria.engine.flight_record import FlightRecorder
-
             self.core.record_flights_to(FlightRecorder(self.settings.flight_record_path))
 
     def _ready(self) -> Ready:
@@ -212,8 +213,6 @@ class EngineCoreProc:
 
     def _heartbeat(self):
         """For the supervisor (heartbeat thread): read without locks, never blocks."""
-        from planaria.engine.heartbeat import Heartbeat
-
         core = self.core
         stats = core.get_stats()
         return Heartbeat(engine_index=self.engine_index, pid=os.getpid(),
@@ -299,7 +298,7 @@ class EngineCoreProc:
         try:
             self.core.add_request(req)  # never raises by contract: an error output follows
         except Exception as exc:  # noqa: BLE001 - a core that breaks it still fails only this request
-            from planaria.engine.core import admission_error  # loaded already: it built the core
+            from planaria.engine.core import admission_error  # deferred: torch, as in _load (loaded by now)
 
             self._req_slot.pop(req.request_id, None)
             self._send_outputs(slot, [admission_error(req.request_id, exc)])
@@ -455,8 +454,6 @@ class EngineCoreProc:
                      (ValueError, UtilityErrorCode.BAD_ARGUMENT))
             code = next((c for t, c in codes if isinstance(exc, t)), UtilityErrorCode.INTERNAL)
             if isinstance(exc, TypeError):  # arguments that do not fit the utility: the caller's
-                import inspect
-
                 try:
                     inspect.signature(fn).bind(**call.args)
                 except TypeError:
@@ -537,8 +534,6 @@ def run_engine_core(engine_index: int, input_addresses: list[str], config: Engin
 
 def _since_exec_s() -> float:
     """Seconds since this process started (interpreter start and imports included)."""
-    import psutil
-
     return time.time() - psutil.Process().create_time()
 
 

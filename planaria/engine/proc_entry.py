@@ -8,6 +8,8 @@ from typing import Any
 
 import msgspec
 
+from planaria.common.logging import configure_child
+
 
 def json_arg(text: str | None) -> Any:
     """A JSON command-line value, or ``@path`` of a file holding one (None stays None)."""
@@ -21,6 +23,4 @@ def json_arg(text: str | None) -> Any:
 
 def setup_logging(engine_index: int, level: str) -> None:
     """The daemon's format (JSON lines in its log files), ``engine_id`` on every line."""
-    from planaria.common.logging import configure_child
-
     configure_child(getattr(logging, level.upper(), logging.INFO), engine_id=engine_index)

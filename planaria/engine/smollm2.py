@@ -62,6 +62,7 @@ def gguf_dir() -> Path:
 
 
 def _load_dense(progress: Progress):
+    # deferred: torch and transformers are heavy; the CLI imports this module at --help
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -98,6 +99,7 @@ def build_smollm2(path: str | os.PathLike, preset: str = "smollm2", seed: int = 
 
 def _save_upcycled(dense, path: Path, seed: int, progress: Progress) -> None:
     """Write ``dense`` (a Llama) as a Mixtral checkpoint whose experts are its MLP."""
+    # deferred: torch and transformers are heavy; the CLI imports this module at --help
     import torch
     from safetensors.torch import save_file
     from transformers import GenerationConfig, MixtralConfig

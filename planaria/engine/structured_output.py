@@ -27,6 +27,7 @@ import threading
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 
+import llguidance
 import structlog
 import torch
 
@@ -49,8 +50,6 @@ def grammar_source(spec: dict) -> str:
     """The llguidance grammar text for ``spec``; InvalidRequestError for a malformed spec,
     one nested too deeply included (a schema or regex that does not compile fails later,
     in compile)."""
-    import llguidance
-
     if not isinstance(spec, dict) or spec.get("type") not in SPEC_TYPES:
         raise InvalidRequestError(
             f"structured_output must be a dict with type one of {', '.join(SPEC_TYPES)}; got {spec!r:.200}")
@@ -209,8 +208,6 @@ class StructuredOutputManager:
             grammar.error_code = OutputErrorCode.INTERNAL
 
     def _matcher(self, source: str):
-        import llguidance
-
         tokenizer = self._tokenizer()
         with self._lock:
             template = self._templates.get(source)
@@ -229,7 +226,7 @@ class StructuredOutputManager:
     def _tokenizer(self):
         with self._lock:
             if self._ll_tokenizer is None:
-                import llguidance
+                # deferred: llguidance.hf and transformers are heavy (seconds); only grammars need them
                 import llguidance.hf
                 from transformers import AutoTokenizer
 
@@ -251,7 +248,7 @@ class StructuredOutputManager:
         return GrammarBitmask(self._mask_pool.submit(self._fill, matchers, bitmask), rows, bitmask)
 
     def _fill(self, matchers: list, bitmask: torch.Tensor) -> None:
-        import llguidance.torch as lltorch
+        import llguidance.torch as lltorch  # deferred: it imports torch._dynamo (seconds)
 
         if len(matchers) == 1:
             lltorch.fill_next_token_bitmask(matchers[0][0], bitmask, matchers[0][1])

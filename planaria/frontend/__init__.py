@@ -9,7 +9,7 @@ through ``engine.client.EngineClient``, detokenizes and streams.
     responses.py   OpenAI response and chunk bodies                       pure
     serving.py     the two generation endpoints: JSON bodies and SSE
     errors.py      FrontendError tree -> OpenAI error bodies (status, type, param, code)
-    metrics.py     Prometheus text exposition, written by hand            pure
+    metrics.py     Prometheus metrics (prometheus_client, own registry)   pure
     server.py      aiohttp routes and SSE
     liveness.py    the event loop's beats to the supervisor (a frozen loop is restarted)
     main.py        ``python -m planaria.frontend.main``

@@ -36,7 +36,14 @@ import sys
 import msgspec
 from aiohttp import web
 
+from planaria.common.logging import configure_child
+from planaria.engine.client import EngineClient
+from planaria.engine.config import EngineConfig
+from planaria.frontend import liveness
+from planaria.frontend.admin import AdminSocket, EngineAdmin
+from planaria.frontend.http_guard import CappedTCPSite
 from planaria.frontend.limits import ServerLimits
+from planaria.frontend.server import create_server
 from planaria.frontend.tool_parsers import DEFAULT_TOOL_CALL_PARSER, TOOL_CALL_PARSERS
 
 log = logging.getLogger("frontend")
@@ -147,8 +154,6 @@ def server_limits(args: argparse.Namespace, environ=os.environ) -> ServerLimits:
 
 
 def _default_max_num_seqs() -> int:
-    from planaria.engine.config import EngineConfig
-
     return EngineConfig(model="").max_num_seqs
 
 
@@ -171,10 +176,6 @@ def _stop_procs(procs: list[subprocess.Popen], timeout_s: float) -> None:
 
 
 async def serve(args: argparse.Namespace) -> int:
-    from planaria.engine.client import EngineClient
-    from planaria.frontend.http_guard import CappedTCPSite
-    from planaria.frontend.server import create_server
-
     engine_config = {"model": args.model, **msgspec.json.decode(args.engine_config_json)}
     if args.max_model_len and "max_model_len" not in engine_config:
         engine_config["max_model_len"] = args.max_model_len
@@ -184,8 +185,6 @@ async def serve(args: argparse.Namespace) -> int:
     server = create_server(client, args.model, args.served_model_name, args.max_model_len, args.max_logprobs,
                            limits, tool_call_parser=None if args.tool_call_parser == "none" else args.tool_call_parser)
     await client.start(wait_ready=False)
-    from planaria.frontend.admin import AdminSocket, EngineAdmin
-
     admin_socket = AdminSocket(EngineAdmin(client), args.runtime_dir, args.client_index)
     admin_socket.start()  # planaria load-weights reaches the engines through it
     procs = _spawn_engines(args.engines, client.input_address, engine_config) if args.spawn_engines else []
@@ -201,8 +200,6 @@ async def serve(args: argparse.Namespace) -> int:
     bound = runner.addresses[0] if runner.addresses else (host, port)
     print(f"planaria frontend: serving {server.serving.model.name} on http://{bound[0]}:{bound[1]}",
           file=sys.stderr, flush=True)
-
-    from planaria.frontend import liveness
 
     # from here on the loop runs: its beats tell the supervisor it answers (a frozen loop stops them)
     liveness_tasks = liveness.start(args.liveness_address, args.liveness_interval_s)  # noqa: F841 - held
@@ -238,8 +235,7 @@ async def serve(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from planaria.common.logging import configure_child  # the daemon's format: JSON lines in its log files
-
+    # the daemon's format: JSON lines in its log files
     configure_child(getattr(logging, args.log_level.upper(), logging.INFO), child="frontend",
                     client_index=args.client_index)
     try:

@@ -33,8 +33,11 @@ from pathlib import Path
 
 from aiohttp import web
 
+from planaria.engine.detokenizer import IncrementalDetokenizer
 from planaria.frontend import responses as R
+from planaria.frontend.admin import EngineAdmin
 from planaria.frontend.admission import ADMISSION, MAY_SET_PRIORITY, Admission, bearer_matches
+from planaria.frontend.embeddings import EmbeddingServing
 from planaria.frontend.errors import FrontendError, ServiceUnavailableError, TooManyRequestsError, error_body
 from planaria.frontend.generation import Generator
 from planaria.frontend.http_guard import check_api_key, read_body
@@ -236,9 +239,8 @@ def create_server(client, model_dir: str | Path, served_model_name: str | None =
                   tool_call_parser: str | None = "hermes") -> FrontendServer:
     """The real collaborators, built in one place: HF tokenizer, incremental detokenizer."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    # deferred: transformers is heavy (seconds); tests build servers on fake tokenizers
     from transformers import AutoTokenizer
-
-    from planaria.engine.detokenizer import IncrementalDetokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     model = load_model_info(model_dir, tokenizer, served_model_name, max_model_len, max_logprobs)
@@ -256,11 +258,8 @@ def create_server(client, model_dir: str | Path, served_model_name: str | None =
                             renderer=renderer, request_timeout_s=limits.request_timeout_s,
                             write_timeout_s=limits.write_timeout_s, tool_call_parser=tool_call_parser)
     server = FrontendServer(client, serving, metrics, limits)
-    from planaria.frontend.admin import EngineAdmin
-
     server.admin = EngineAdmin(client, utility_timeout_s=2.0)
-    from planaria.engine.pooling.loader import is_bert_config
-    from planaria.frontend.embeddings import EmbeddingServing
+    from planaria.engine.pooling.loader import is_bert_config  # deferred: engine.pooling imports torch
 
     server.embeddings = EmbeddingServing(client, tokenizer, model.name, model.path, lambda: serving.max_model_len,
                                          is_bert_config(_read_json(Path(model_dir) / "config.json")),

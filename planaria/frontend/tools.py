@@ -139,7 +139,9 @@ def check_tools(raw: list[dict[str, Any]]) -> list[dict]:
 def check_schema_compiles(schema: dict, param: str) -> None:
     """A forced choice's schema must compile to a grammar: a 400 naming ``param`` here,
     rather than the engine's nameless one."""
-    import llguidance  # its schema compiler recurses natively: the body's depth limit (32) keeps it shallow
+    # deferred: llguidance (~50 ms) only for a forced tool choice. Its schema compiler
+    # recurses natively: the body's depth limit (32) keeps it shallow.
+    import llguidance
 
     try:
         error = llguidance.LLMatcher.validate_grammar(llguidance.LLMatcher.grammar_from_json_schema(schema))

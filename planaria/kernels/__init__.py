@@ -10,8 +10,8 @@ are engine/models/rope.py.
 
 C++ kernels for the CPU (csrc/, built at install by cpu_ext.py and loaded if present):
 decode attention read from the paged KV cache in place and the fused MoE experts at
-decode batches (float32, bfloat16, float16), RMSNorm (bfloat16/float16; float32 keeps the
-torch code, bit-identical to transformers), the greedy argmax, linears at a few rows
+decode batches (float32, bfloat16, float16), RMSNorm (float32, bfloat16, float16; float32
+sums in another order than torch's mean: the last bits differ), the greedy argmax, linears at a few rows
 (linear.py says when each dtype takes it); the torch code stays the
 fallback and the reference they are tested against. There
 are no separate GPU kernels (no Triton or CUDA code): the same torch code runs on CPU and

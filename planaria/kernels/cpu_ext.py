@@ -76,7 +76,7 @@ def library_path() -> Path:
 def build(verbose: bool = False) -> Path:
     """Compile csrc/*.cpp into library_path() (atomically: a half-written .so is never
     seen). Raises CalledProcessError with the compiler's output on failure."""
-    from torch.utils import cpp_extension
+    from torch.utils import cpp_extension  # deferred: it pulls setuptools (~0.3 s); only a build needs it
 
     out = library_path()
     if out.is_file():

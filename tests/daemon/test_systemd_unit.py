@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -94,6 +95,37 @@ def test_unit_hardening():
     allowed = {value.split()[0] for value in settings["DeviceAllow"]}
     assert {"/dev/nvidiactl", "/dev/nvidia-uvm", "char-nvidia-frontend", "char-drm"} <= allowed
     assert all(value.split()[1] == "rw" for value in settings["DeviceAllow"])
+
+
+def test_exec_start_is_a_serve_the_daemon_accepts():
+    """ExecStart= runs `planaria serve` with flags the real command line parses (the
+    example env file's PLANARIA_ARGS in place of $PLANARIA_ARGS, as systemd splits it), and
+    the daemon then uses what the unit sets up: the env file systemd reads is the one it
+    re-reads on reload, the directories are the unit's (from $STATE_DIRECTORY and
+    $RUNTIME_DIRECTORY, as systemd passes them), and the exit code the unit does not
+    restart is the daemon's configuration error."""
+    from planaria.daemon.cli import build_parser
+    from planaria.daemon.config import build, given_flags, parse_env_file
+    from planaria.daemon.supervisor import EXIT_CONFIG
+
+    settings = _unit_settings()
+    (exec_start,) = settings["ExecStart"]
+    program, *words = exec_start.split()
+    assert program.startswith("/") and Path(program).name == "planaria"
+    assert words[0] == "serve"
+    example = parse_env_file((REPO / "systemd" / "planaria.env.example").read_text())
+    argv = [arg for word in words
+            for arg in (shlex.split(example["PLANARIA_ARGS"]) if word == "$PLANARIA_ARGS" else [word])]
+    args = build_parser().parse_args(argv)
+    assert args.command == "serve"
+    flags = given_flags(args)
+    assert "-" + flags["env_file"] in settings["EnvironmentFile"]
+    state_dir = "/var/lib/" + settings["StateDirectory"][0]
+    runtime_dir = "/run/" + settings["RuntimeDirectory"][0]
+    config = build(flags, {"STATE_DIRECTORY": state_dir, "RUNTIME_DIRECTORY": runtime_dir})
+    assert (config.state_dir, config.runtime_dir) == (state_dir, runtime_dir)
+    assert config.state_dir in settings["ReadWritePaths"][0].split()  # writable under ProtectSystem=strict
+    assert settings["RestartPreventExitStatus"] == [str(EXIT_CONFIG)]
 
 
 def exposure(unit_path: Path) -> tuple[float, str]:

@@ -17,15 +17,25 @@ from tests.elastic.conftest import wait_for
 
 
 class CountedElection(LeaderElection):
-    """The real election; remembers when each campaign transaction was sent."""
+    """The real election; remembers when each campaign transaction was sent, and each time
+    its loop decided whether to campaign (the moments it had to send one)."""
 
     def __init__(self, membership: Membership) -> None:
         super().__init__(membership)
         self.campaigns: list[float] = []
+        self.decisions: list[tuple[float, bool]] = []  # (when, campaign?)
 
     def campaign(self) -> bool:
         self.campaigns.append(time.monotonic())
         return super().campaign()
+
+    def _should_campaign(self) -> bool:  # the loop's one decision, observed (no other seam)
+        verdict = super()._should_campaign()
+        self.decisions.append((time.monotonic(), verdict))
+        return verdict
+
+    def num_decisions_since(self, t: float, verdict: bool | None = None) -> int:
+        return sum(1 for at, v in self.decisions if at >= t and (verdict is None or v == verdict))
 
 
 def _start(members: list[Membership]) -> list[CountedElection]:
@@ -38,9 +48,11 @@ def test_idle_followers_send_no_campaigns(make_membership):
     try:
         assert wait_for(lambda: leader.is_leader, timeout_s=5)
         followers = _start([make_membership(f"f{i}") for i in range(4)])
-        time.sleep(1.5)  # their first campaign (lost) and their watches' first answers
+        # settled: each has seen the leader in its watch and decided, once, not to campaign
+        assert wait_for(lambda: all(f.num_decisions_since(0.0, False) for f in followers), timeout_s=15)
         since = time.monotonic()
-        time.sleep(2.5)  # well over three retry intervals (ttl 2 s / 3)
+        # each loop has since had three chances to campaign (a retry interval apart: ttl 2 s / 3)
+        assert wait_for(lambda: all(f.num_decisions_since(since) >= 3 for f in followers), timeout_s=20)
         late = [t for f in followers for t in f.campaigns if t >= since]
         assert late == [], f"{len(late)} campaign(s) while a leader was known"
         assert leader.is_leader and not any(f.is_leader for f in followers)
@@ -56,13 +68,18 @@ def test_followers_spread_their_campaigns_when_the_key_goes(make_membership):
     try:
         assert wait_for(lambda: leader.is_leader, timeout_s=5)
         followers = _start([make_membership(f"f{i:02d}", ttl_s=9) for i in range(12)])
-        time.sleep(1.5)
+        # each has seen the leader in its watch (decided not to campaign)
+        assert wait_for(lambda: all(f.num_decisions_since(0.0, False) for f in followers), timeout_s=15)
         resigned_at = time.monotonic()
         leader.stop(resign=True)  # the key goes at once, as after a lease expiry
         assert wait_for(lambda: sum(f.is_leader for f in followers) == 1, timeout_s=8)
-        time.sleep(0.5)
+        elected_at = time.monotonic()
         new = [f for f in followers if f.is_leader]
-        assert len(new) == 1
+        # every other follower has had its moment since and decided, seeing the new key,
+        # not to campaign: no campaign for this deletion is still to come
+        others = [f for f in followers if f not in new]
+        assert wait_for(lambda: all(f.num_decisions_since(elected_at, False) for f in others), timeout_s=15)
+        assert len(new) == 1 and sum(f.is_leader for f in followers) == 1
         sent = sorted(t for f in followers for t in f.campaigns if t >= resigned_at)
         # Before: all 12 within milliseconds of the deletion. Now: one, plus those whose
         # moment came before the winner's key reached them.

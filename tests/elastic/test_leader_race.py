@@ -85,7 +85,7 @@ node.stop()
 
 class Controller:
     def __init__(self, node_id: str, endpoint: str, cluster: str, model: str, root: Path, start_at: float):
-        from planaria.elastic.harness import free_port
+        from tests.elastic._deployment import free_port
 
         self.node_id = node_id
         self.pause_file = root / f"pause-{node_id}"

@@ -21,10 +21,10 @@ import pytest
 
 from bench.closed_loop import ClosedLoopLoad, mismatches
 from bench.streaming_load import request_bodies
-from planaria.elastic.harness import EPDeployment
 from planaria.elastic.keys import OpPhase
 from planaria.elastic.ep_proc import EP_FAULT_ENV
 from planaria.engine.envs import FAULT_INJECTION
+from tests.elastic._deployment import EPDeployment
 
 pytestmark = pytest.mark.timeout(600)
 

@@ -267,7 +267,10 @@ def test_engine_death_failover_and_restart(tiny_model, tmp_path_factory):
             await wait_until(lambda: client.engines[victim_index].num_in_flight == 1)
             victim = procs[victim_index]
             os.kill(victim.pid, signal.SIGKILL)
-            await asyncio.sleep(0.1)
+            # the victim is gone (its sockets closed), and the client has read a reply the
+            # survivor sent after that: it had its chance to guess, and did not
+            await asyncio.get_running_loop().run_in_executor(None, victim.wait, 10)
+            await client.call_utility(busy, "ping")
             assert not task.done()  # nothing said yet: the stream waits
             sup = ctx.socket(zmq.PUSH)
             sup.setsockopt(zmq.LINGER, 1000)

@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 
 import msgspec
+import psutil
 import pytest
 
 from planaria.engine.messages import EngineCoreRequest
@@ -340,22 +341,64 @@ def test_handshake_timeout_exits_with_its_own_code(short_tmp, tiny_model):
 
 
 def test_sigterm_while_waiting_for_handshake_exits_zero(short_tmp, tiny_model):
-    proc = spawn_engine(3, f"ipc://{short_tmp / 'nobody'}", short_tmp, engine_config(tiny_model))
+    fe = RawFrontend(short_tmp, name="mute")  # takes the HELLO and never answers it
+    proc = spawn_engine(3, fe.input_addr, short_tmp, engine_config(tiny_model))
     try:
-        time.sleep(2.0)  # interpreter up, waiting for a frontend that never answers
+        _identity, msg_type, _hello = fe.recv_router(60)  # handlers installed, handshake begun
+        assert msg_type == MsgType.HELLO
         os.kill(proc.pid, signal.SIGTERM)
-        assert proc.wait(30) == 0
+        assert proc.wait(30) == 0, engine_log(proc)
     finally:
         stop_engine(proc)
+        fe.close()
 
 
+def _main_thread(pid: int) -> tuple[str, int]:
+    """The process's main thread (Linux: the task whose id is the pid): its scheduler state
+    ('S': asleep) and how often it has gone to sleep (voluntary context switches)."""
+    task = Path(f"/proc/{pid}/task/{pid}")
+    state = (task / "stat").read_text().rsplit(")", 1)[1].split()[0]
+    switches = next(int(line.split()[1]) for line in (task / "status").read_text().splitlines()
+                    if line.startswith("voluntary_ctxt_switches:"))
+    return state, switches
+
+
+IDLE_WINDOW_S = 3.0
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="needs Linux /proc")
 def test_sigterm_wakes_an_idle_loop(started):
+    """An idle loop blocks on its input queue with no timeout, and SIGTERM's handler puts a
+    WAKEUP on that queue: the loop sleeps through an idle stretch without waking, yet
+    answers the signal at once. A loop that polled (a sleep, a get with a timeout) every
+    1.5 s or less would wake at least twice in the window (a longer period would likely
+    miss the 1 s bound on the answer); one that spun would burn CPU; one blocked with no
+    wake-up would never drain."""
     fe, proc, _, _ = started
-    time.sleep(0.3)  # the loop is blocked on its empty input queue
-    t0 = time.monotonic()
+    assert _utility(fe, "ping", call_id=7).ok  # the loop has read its input: idle from here
+    deadline = time.monotonic() + 10
+    while _main_thread(proc.pid)[0] != "S":  # until it is asleep on the empty queue
+        assert time.monotonic() < deadline, "the idle loop never went to sleep"
+        time.sleep(0.01)
+    engine = psutil.Process(proc.pid)
+    wakeups0, cpu0, t0 = _main_thread(proc.pid)[1], engine.cpu_times(), time.monotonic()
+    time.sleep(IDLE_WINDOW_S)
+    wakeups = _main_thread(proc.pid)[1] - wakeups0
+    cpu1, idle_s = engine.cpu_times(), time.monotonic() - t0
+    cpu_s = (cpu1.user + cpu1.system) - (cpu0.user + cpu0.system)
+    t_signal = time.monotonic()
     proc.send_signal(signal.SIGTERM)
+    while not any(s.state == "draining" for s in fe.statuses):
+        fe.recv_pull(10.0)
+    draining_after_s = time.monotonic() - t_signal
     assert proc.wait(10) == 0
-    print(f"idle engine exited {time.monotonic() - t0:.3f} s after SIGTERM")
+    exited_after_s = time.monotonic() - t_signal
+    print(f"idle {idle_s:.2f} s: main thread woke {wakeups} times, {cpu_s * 1e3:.0f} ms CPU (all threads); "
+          f"SIGTERM -> DRAINING {draining_after_s * 1e3:.0f} ms, -> exit {exited_after_s:.2f} s")
+    assert wakeups <= 1, f"the idle loop woke {wakeups} times in {idle_s:.2f} s: it polls"
+    assert cpu_s < 0.1 * idle_s, f"{cpu_s:.2f} s of CPU in {idle_s:.2f} s idle: it spins"
+    # generous for a loaded 2-core machine (measured: a few ms)
+    assert draining_after_s < 1.0, f"SIGTERM answered {draining_after_s:.2f} s late"
 
 
 def test_abort_during_a_forward_gets_no_token_and_frees_blocks(tiny_model, short_tmp):

@@ -196,11 +196,16 @@ def test_abort_while_compiling_is_clean(llm):
     core.add_request(EngineCoreRequest(request_id="gone", prompt_token_ids=[1, 2, 3],
                                        sampling_params=_sampled(0), structured_output={"type": "json_object"}))
     core.abort_requests(["gone"])
+    outputs = []
     while core.has_unfinished_requests():
-        core.step()
-    time.sleep(0.05)
-    core.step()  # the finished compile of an aborted request is dropped
-    assert not core.has_unfinished_requests()
+        outputs += core.step()[0]
+    deadline = time.monotonic() + 60
+    while core.structured.num_pending:  # until the compile finished and a step took it up
+        assert time.monotonic() < deadline, "the grammar never finished compiling"
+        time.sleep(0.01)
+        outputs += core.step()[0]
+    assert not core.has_unfinished_requests()  # the finished compile of an aborted request is dropped
+    assert [o.finish_reason for o in outputs if o.request_id == "gone"] == ["abort"]
 
 
 def test_no_grammar_fast_path_costs_nothing(llm):

@@ -16,7 +16,7 @@ from planaria.frontend.metrics import FrontendMetrics
 from planaria.frontend.render import PromptRenderer
 from planaria.frontend.server import FrontendServer
 from planaria.frontend.serving import ModelInfo, OpenAIServing
-from tests.frontend._fakes import EOS, VOCAB, FakeDetokenizer, FakeEngineClient, FakeTokenizer
+from tests.frontend._fakes import EOS, VOCAB, FakeEngineClient, FakeTokenizer, detokenizer
 
 
 @dataclass
@@ -36,7 +36,7 @@ async def serve_fake(client: FakeEngineClient, tokenizer=None, render_timeout_s:
     tok = tokenizer or FakeTokenizer()
     lim = ServerLimits(**limits)
     metrics = FrontendMetrics("fake")
-    gen = Generator(client, lambda ids, params: FakeDetokenizer(tok, ids, params), metrics)
+    gen = Generator(client, detokenizer(tok), metrics)
     model = ModelInfo(name="fake", path="/models/fake", vocab_size=VOCAB, max_model_len=max_model_len,
                       eos_token_id=EOS)
     serving = OpenAIServing(gen, tok, model, renderer=PromptRenderer(tok, render_timeout_s, 2),

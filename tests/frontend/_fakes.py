@@ -1,11 +1,14 @@
-"""Fakes for frontend logic tests: a character tokenizer, a detokenizer with stop strings,
-and an engine client that generates on a timer. The real ones are used in test_http.py."""
+"""Fakes for frontend logic tests: a character tokenizer and an engine client that
+generates on a timer. The detokenizer is the real one (engine/detokenizer.py) over the
+character tokenizer: ``detokenizer(tokenizer)``. The real tokenizer and engines are used in
+test_http.py."""
 
 from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
 
+from planaria.engine.detokenizer import IncrementalDetokenizer
 from planaria.engine.errors import EngineDeadError, NoEngineAvailableError
 from planaria.engine.messages import EngineCoreOutput, Logprobs, SchedulerStats
 
@@ -23,7 +26,7 @@ class FakeTokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return [ord(c) % VOCAB for c in text]
 
-    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+    def decode(self, ids, skip_special_tokens: bool = True, clean_up_tokenization_spaces: bool = False) -> str:
         return "".join(chr(i) for i in ids if not (skip_special_tokens and i == EOS))
 
     def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=True,
@@ -32,46 +35,10 @@ class FakeTokenizer:
         return text + ("<assistant>" if add_generation_prompt else "")
 
 
-class FakeDetokenizer:
-    """update() returns a matched stop string; text is held back while it may begin one."""
-
-    def __init__(self, tokenizer, prompt_token_ids, params) -> None:
-        self.tok = tokenizer
-        self.params = params
-        self.output_text = ""
-        self._sent = 0
-        self._stopped = False
-
-    def update(self, new_token_ids):
-        self.output_text += self.tok.decode(new_token_ids)
-        for s in self.params.stop:
-            at = self.output_text.find(s)
-            if at >= 0:
-                end = at + len(s) if self.params.include_stop_str_in_output else at
-                self.output_text = self.output_text[:end]
-                self._stopped = True
-                return s
-        return None
-
-    def _safe_end(self) -> int:
-        if self._stopped:
-            return len(self.output_text)
-        hold = 0
-        for s in self.params.stop:
-            for k in range(min(len(s) - 1, len(self.output_text)), 0, -1):
-                if self.output_text.endswith(s[:k]):
-                    hold = max(hold, k)
-                    break
-        return len(self.output_text) - hold
-
-    def get_delta_text(self) -> str:
-        end = max(self._safe_end(), self._sent)
-        delta, self._sent = self.output_text[self._sent:end], end
-        return delta
-
-    def flush(self) -> str:
-        delta, self._sent = self.output_text[self._sent:], len(self.output_text)
-        return delta
+def detokenizer(tokenizer):
+    """The Generator's detokenizer factory: the real IncrementalDetokenizer (stop strings,
+    hold-back) over ``tokenizer``."""
+    return lambda prompt_token_ids, params: IncrementalDetokenizer(tokenizer, prompt_token_ids, params)
 
 
 @dataclass

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import re
 import shutil
 import signal
 import socket
@@ -113,3 +114,21 @@ def openai_client(stack: Stack, timeout_s: float = 60.0):
     import openai
 
     return openai.AsyncOpenAI(base_url=f"{stack.base}/v1", api_key="none", max_retries=0, timeout=timeout_s)
+
+
+def _gauge_sum(text: str, name: str) -> int:
+    return sum(int(float(v)) for v in re.findall(rf'^{name}\{{engine="\d+"\}} (\S+)$', text, re.M))
+
+
+def prefill_tokens(stack: Stack, timeout_s: float = 30.0) -> int:
+    """The engines' prompt tokens computed so far, summed (the /metrics gauge), read once
+    no engine has a request running or waiting: the figure rides on the outputs, so by
+    then it holds every step taken (earlier tests' aborted requests included)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        with urllib.request.urlopen(f"{stack.base}/metrics", timeout=10) as r:
+            text = r.read().decode()
+        if _gauge_sum(text, "planaria_num_requests_running") + _gauge_sum(text, "planaria_num_requests_waiting") == 0:
+            return _gauge_sum(text, "planaria_engine_prefill_tokens")
+        assert time.monotonic() < deadline, f"engines still busy after {timeout_s} s:\n{text}"
+        time.sleep(0.05)

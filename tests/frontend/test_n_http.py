@@ -11,13 +11,11 @@ prompt * n + j."""
 from __future__ import annotations
 
 import asyncio
-import re
-import urllib.request
 
 import openai
 import pytest
 
-from tests.frontend._stack import openai_client, run_async, serving
+from tests.frontend._stack import openai_client, prefill_tokens, run_async, serving
 
 MODEL = "tiny-moe"
 BLOCK_SIZE = 16
@@ -46,20 +44,11 @@ def oai(stack) -> openai.AsyncOpenAI:
     return openai_client(stack, 60)
 
 
-def prefill_tokens(stack) -> int:
-    """The engines' prompt tokens computed so far, summed (the /metrics gauge)."""
-    with urllib.request.urlopen(f"{stack.base}/metrics", timeout=10) as r:
-        text = r.read().decode()
-    return sum(int(float(v)) for v in re.findall(r'^planaria_engine_prefill_tokens\{engine="\d+"\} (\S+)$',
-                                                  text, re.M))
-
-
 def test_n_seeded_choices_differ_reproduce_and_prefill_once(stack):
     async def main():
         c = oai(stack)
         before = prefill_tokens(stack)  # the first request with this prompt: nothing cached
         r = await c.completions.create(model=MODEL, prompt=PROMPT, n=4, seed=7, **SAMPLE)
-        await asyncio.sleep(0.5)  # the last stats ride on the last outputs; let them land
         used = prefill_tokens(stack) - before
         num_prompt = r.usage.prompt_tokens
         assert num_prompt > 64  # chunked: two steps at least

@@ -17,7 +17,7 @@ from planaria.frontend.generation import Generator
 from planaria.frontend.metrics import FrontendMetrics
 from planaria.frontend.server import FrontendServer
 from planaria.frontend.serving import ModelInfo, OpenAIServing
-from tests.frontend._fakes import EOS, VOCAB, FakeDetokenizer, FakeEngineClient, FakeTokenizer
+from tests.frontend._fakes import EOS, VOCAB, FakeEngineClient, FakeTokenizer, detokenizer
 
 
 @contextlib.asynccontextmanager
@@ -28,7 +28,7 @@ async def serve(client: FakeEngineClient, max_model_len: int = 64, max_replays: 
     metrics = FrontendMetrics("fake")
     journal = RequestJournal(max_replays=max_replays) if max_replays is not None else None
     # a request finding no engine waits this long for one (30 s by default)
-    gen = Generator(client, lambda ids, params: FakeDetokenizer(tok, ids, params), metrics, journal=journal,
+    gen = Generator(client, detokenizer(tok), metrics, journal=journal,
                     replay_wait_s=0.5)
     model = ModelInfo(name="fake", path="/models/fake", vocab_size=VOCAB, max_model_len=max_model_len,
                       eos_token_id=EOS)
@@ -92,7 +92,10 @@ def test_stop_string_finishes_and_aborts_the_engine_request():
                                                   stream=True, extra_body={"include_stop_str_in_output": True})
             text = "".join([c.choices[0].text async for c in stream if c.choices])
             assert text == "one two"
-            await asyncio.sleep(0.05)
+            for _ in range(250):  # the abort follows the last chunk: wait for it, 5 s at most
+                if len(client.aborted) == 2:
+                    break
+                await asyncio.sleep(0.02)
             assert not client.running and len(client.aborted) == 2
     run(main())
 

@@ -13,7 +13,7 @@ import pytest
 
 from bench.closed_loop import ClosedLoopLoad, metric, mismatches, offline_reference
 from bench.streaming_load import request_bodies
-from planaria.elastic.harness import EPDeployment
+from tests.elastic._deployment import EPDeployment
 from tests.elastic.conftest import wait_for
 
 pytestmark = pytest.mark.timeout(900)

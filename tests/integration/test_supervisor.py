@@ -261,7 +261,8 @@ def test_engine_refused_for_its_config_is_not_restarted(tiny_moe, tmp_path):
     engine left it stops with exit 2 (the unit's RestartPreventExitStatus=)."""
     import asyncio
 
-    from planaria.engine.client import EngineClient, ipc_addresses
+    from planaria.common.sockets import ipc_addresses
+    from planaria.engine.client import EngineClient
 
     runtime = Path(tempfile.mkdtemp(prefix="pl-cfg-"))
     loop = asyncio.new_event_loop()

@@ -22,6 +22,8 @@ from typing import Any
 
 from planaria.common.envelope import ErrorCode
 from planaria.common.errors import AdminError, AuthRefusedError, MalformedReplyError, NotRunningError
+from planaria.daemon.cli import _command_modules
+from planaria.daemon.errors import AdminKeyError
 
 EXIT_OK, EXIT_INTERNAL, EXIT_BAD_ARGUMENT, EXIT_NOT_RUNNING = 0, 1, 2, 3
 EXIT_REFUSED = 8
@@ -71,7 +73,8 @@ def state_dir(args: argparse.Namespace) -> Path:
 
 def client(args: argparse.Namespace):
     """A ControlClient for the daemon ``args`` name (raises AdminKeyError for bad keys)."""
-    from planaria.daemon.admin_keys import AdminKeyError, load_keypair, load_public_key
+    # deferred: control pulls structlog and asyncio, admin_keys zmq.auth; the CLI must start fast
+    from planaria.daemon.admin_keys import load_keypair, load_public_key
     from planaria.daemon.control import ControlClient
 
     timeout_s = getattr(args, "timeout_s", 10.0)
@@ -111,8 +114,6 @@ def fail(name: str, exc: BaseException) -> int:
     if isinstance(exc, AdminError):
         print(f"planaria {name}: {exc.code.value}: {exc.reason}", file=sys.stderr)
         return EXIT_BY_CODE.get(exc.code, EXIT_INTERNAL)
-    from planaria.daemon.admin_keys import AdminKeyError
-
     if isinstance(exc, AdminKeyError):
         print(f"planaria {name}: {exc}", file=sys.stderr)
         return EXIT_BAD_ARGUMENT
@@ -127,6 +128,4 @@ def fail(name: str, exc: BaseException) -> int:
 
 def admin_modules() -> dict[str, Any]:
     """name -> command module, for every command with a daemon half (``execute``)."""
-    from planaria.daemon.cli import _command_modules
-
     return {mod.NAME: mod for mod in _command_modules() if hasattr(mod, "execute")}

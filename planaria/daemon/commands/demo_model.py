@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 
 from planaria.engine import smollm2
-from planaria.engine.demo_model import DTYPES, PRESETS
+from planaria.engine.demo_model import DTYPES, PRESETS, build_demo_model, check_target
 
 NAME = "demo-model"
 HELP = "write a model directory (HF format): SmolLM2 (real) or a seeded random demo model"
@@ -42,8 +42,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    # torch and transformers load here, not at import, so `planaria --help` stays fast.
-    from planaria.engine.demo_model import build_demo_model, check_target
+    # deferred: transformers is heavy (seconds); the CLI must start fast
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()

@@ -17,6 +17,7 @@ import argparse
 import sys
 
 from planaria.daemon.commands._common import EXIT_BAD_ARGUMENT
+from planaria.daemon.errors import AdminKeyError
 
 NAME = "keygen"
 HELP = "make a CurveZMQ key pair (remote admin socket, tcp:// extra clients)"
@@ -28,7 +29,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from planaria.daemon.admin_keys import AdminKeyError, make_keypair
+    from planaria.daemon.admin_keys import make_keypair  # deferred: zmq.auth slows the CLI's start
 
     try:
         public, secret = make_keypair(args.dir, args.name)

@@ -41,7 +41,7 @@ def log_files(log_dir: Path, engine_ids) -> dict[str, str]:
 
 
 def execute(supervisor, args: dict[str, Any]) -> dict[str, Any]:
-    from planaria.daemon.launch import log_dir
+    from planaria.daemon.launch import log_dir  # deferred: launch (subprocess, ctypes) slows the CLI's start
 
     return {"files": log_files(log_dir(supervisor.config), sorted(supervisor.engines))}
 

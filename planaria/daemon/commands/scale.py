@@ -40,6 +40,7 @@ from typing import Any
 
 from planaria.common.errors import BadArgumentError
 from planaria.daemon.commands._common import EXIT_BAD_ARGUMENT, add_daemon_arguments, call, fail
+from planaria.daemon.commands.status import _fmt_bytes
 
 NAME = "scale"
 HELP = "add or remove engine replicas: scale up|down [--by N], scale to N"
@@ -97,8 +98,6 @@ def engine_label(e: dict[str, Any]) -> str:
     """One engine's state as the progress display shows it: the supervisor's state, the
     EP record's (loading, serving, ...) when there is one, the KV figure once it serves,
     and the reason of a backoff or failure."""
-    from planaria.daemon.commands.status import _fmt_bytes
-
     label = e["state"]
     if e.get("ep_state"):
         label += f" (ep {e['ep_state']}" + (f", rank {e['rank']}" if e.get("rank") is not None else "") + ")"

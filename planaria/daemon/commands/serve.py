@@ -45,35 +45,40 @@ at least one is needed to start). Then: `planaria status --connect tcp://HOST:PO
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 import time
 from pathlib import Path
+
+import zmq
+
+from planaria.daemon import config as config_mod
+from planaria.daemon.admin_keys import AdminKeyError, authorized_keys, server_keypair
+from planaria.daemon.children import PopenSpawner
+from planaria.daemon.commands._common import admin_modules
+from planaria.daemon.ep_supervisor import EPSupervisor
+from planaria.daemon.errors import DaemonAlreadyRunningError, RuntimeDirError
+from planaria.daemon.launch import (frontend_addresses, frontend_liveness_address,
+                                    heartbeat_address, log_dir, node_id)
+from planaria.daemon.sd_notify import Notifier, watchdog_interval_s
 
 NAME = "serve"
 HELP = "run the supervisor daemon (frontend + engine cores)"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from planaria.daemon.config import add_serve_arguments
-
-    add_serve_arguments(parser)
+    config_mod.add_serve_arguments(parser)
 
 
 def main(args: argparse.Namespace) -> int:
-    import zmq
-
-    from planaria.daemon import config as config_mod
+    # deferred: every `planaria` command imports this module for its arguments
+    # (daemon/cli.py); the supervisor's runtime brings structlog, rich and asyncio
+    # (planaria.common.logging), about 60 ms that only `serve` itself should pay
     from planaria.common import logging as plog
-    from planaria.daemon.admin_keys import AdminKeyError
-    from planaria.daemon.children import PopenSpawner
-    from planaria.daemon.commands._common import admin_modules
     from planaria.daemon.control import ControlServer, ensure_runtime_dir
-    from planaria.daemon.errors import DaemonAlreadyRunningError, RuntimeDirError
-    from planaria.daemon.launch import (frontend_addresses, frontend_liveness_address,
-                                        heartbeat_address, log_dir)
-    from planaria.daemon.loop import DeathReporter, SupervisorLoop, command_handler
-    from planaria.daemon.sd_notify import Notifier, watchdog_interval_s
+    from planaria.daemon.loop import SupervisorLoop, command_handler
     from planaria.daemon.supervisor import EXIT_FAILURE, Supervisor
+    from planaria.engine.death_reporter import DeathReporter
 
     cli_flags = config_mod.given_flags(args)
     try:
@@ -85,76 +90,68 @@ def main(args: argparse.Namespace) -> int:
         print(f"planaria serve: --model {config.model} is not a directory", file=sys.stderr)
         return 2
     interval_s = watchdog_interval_s()  # before the notifier unsets WATCHDOG_USEC
-    notifier = Notifier.from_environ(unset_environment=True)
-    plog.configure(level=config.log_level)
-    log = plog.get_logger("planaria.serve")
-    Path(config.state_dir).mkdir(parents=True, exist_ok=True)
-    log_dir(config).mkdir(parents=True, exist_ok=True)
-    try:
-        ensure_runtime_dir(config.runtime_dir)
-    except (RuntimeDirError, OSError) as exc:  # unsafe (others may write there), or not a dir
-        print(f"planaria serve: {exc}", file=sys.stderr)
-        return 2
-    try:
-        tcp = _admin_tcp(config, log)
-    except (AdminKeyError, OSError) as exc:
-        print(f"planaria serve: {exc}", file=sys.stderr)
-        return 2
-
-    ctx = zmq.Context()
-    reporter = DeathReporter(ctx, frontend_addresses(config)[1])
-    supervisor = Supervisor(config, PopenSpawner(), time.monotonic, notifier=notifier,
-                            report_dead=reporter, report_cause=reporter)
-    ep_parts = None
-    if config.parallel == "ep":
+    with contextlib.ExitStack() as cleanup:  # closes what was opened, last first, on every way out
+        notifier = Notifier.from_environ(unset_environment=True)
+        cleanup.callback(notifier.close)
+        plog.configure(level=config.log_level)
+        log = plog.get_logger("planaria.serve")
+        Path(config.state_dir).mkdir(parents=True, exist_ok=True)
+        log_dir(config).mkdir(parents=True, exist_ok=True)
         try:
-            ep_parts = _start_ep(config, supervisor, log)
-        except Exception as exc:  # etcd would not start, or the model is not MoE
-            print(f"planaria serve: cannot start expert parallelism: {exc}", file=sys.stderr)
-            reporter.close()
-            ctx.term()
-            return EXIT_FAILURE
-    try:
-        control = ControlServer(config.runtime_dir, command_handler(supervisor, admin_modules()),
-                                **tcp)
-    except (DaemonAlreadyRunningError, zmq.ZMQError) as exc:
-        print(f"planaria serve: {exc}" if isinstance(exc, DaemonAlreadyRunningError) else
-              f"planaria serve: cannot bind the admin socket --admin-tcp {config.admin_tcp}: {exc}",
-              file=sys.stderr)
-        if ep_parts is not None:
-            _stop_ep(ep_parts)
-        reporter.close()
-        ctx.term()
-        return EXIT_FAILURE
-    if control.tcp_endpoint:
-        log.info("admin socket on TCP (CurveZMQ)", endpoint=control.tcp_endpoint)
-    loop = SupervisorLoop(supervisor, control, heartbeat_address(config),
-                          reload_config=lambda: config_mod.reload(supervisor.config, cli_flags),
-                          watchdog=notifier.watchdog, watchdog_interval_s=interval_s, ctx=ctx,
-                          frontend_liveness_address=frontend_liveness_address(config))
-    loop.install_signal_handlers()
-    log.info("starting", model=config.model, engines=config.num_engines, http=config.http,
-             state_dir=config.state_dir, runtime_dir=config.runtime_dir,
-             watchdog_interval_s=interval_s)
-    code = EXIT_FAILURE
-    try:
-        code = loop.run()
-    except Exception:
-        log.exception("supervisor loop failed; killing children")
-        supervisor.kill_all()
-        for child in supervisor.live_children():
+            ensure_runtime_dir(config.runtime_dir)
+        except (RuntimeDirError, OSError) as exc:  # unsafe (others may write there), or not a dir
+            print(f"planaria serve: {exc}", file=sys.stderr)
+            return 2
+        try:
+            tcp = _admin_tcp(config, log)
+        except (AdminKeyError, OSError) as exc:
+            print(f"planaria serve: {exc}", file=sys.stderr)
+            return 2
+
+        ctx = zmq.Context()
+        cleanup.callback(ctx.term)
+        reporter = DeathReporter(ctx, frontend_addresses(config)[1])
+        cleanup.callback(reporter.close)
+        supervisor = Supervisor(config, PopenSpawner(), time.monotonic, notifier=notifier,
+                                report_dead=reporter, report_cause=reporter)
+        if config.parallel == "ep":
             try:
-                child.popen.wait(10)
-            except Exception:  # noqa: BLE001 - best effort on the way out
-                pass
-    finally:
-        loop.close()
-        control.close()
-        if ep_parts is not None:
-            _stop_ep(ep_parts)
-        reporter.close()
-        ctx.term()
-        notifier.close()
+                ep_parts = _start_ep(config, supervisor, log)
+            except Exception as exc:  # etcd would not start, or the model is not MoE
+                print(f"planaria serve: cannot start expert parallelism: {exc}", file=sys.stderr)
+                return EXIT_FAILURE
+            cleanup.callback(_stop_ep, ep_parts)
+        try:
+            control = ControlServer(config.runtime_dir, command_handler(supervisor, admin_modules()),
+                                    **tcp)
+        except (DaemonAlreadyRunningError, zmq.ZMQError) as exc:
+            print(f"planaria serve: {exc}" if isinstance(exc, DaemonAlreadyRunningError) else
+                  f"planaria serve: cannot bind the admin socket --admin-tcp {config.admin_tcp}: {exc}",
+                  file=sys.stderr)
+            return EXIT_FAILURE
+        cleanup.callback(control.close)
+        if control.tcp_endpoint:
+            log.info("admin socket on TCP (CurveZMQ)", endpoint=control.tcp_endpoint)
+        loop = SupervisorLoop(supervisor, control, heartbeat_address(config),
+                              reload_config=lambda: config_mod.reload(supervisor.config, cli_flags),
+                              watchdog=notifier.watchdog, watchdog_interval_s=interval_s, ctx=ctx,
+                              frontend_liveness_address=frontend_liveness_address(config))
+        cleanup.callback(loop.close)
+        loop.install_signal_handlers()
+        log.info("starting", model=config.model, engines=config.num_engines, http=config.http,
+                 state_dir=config.state_dir, runtime_dir=config.runtime_dir,
+                 watchdog_interval_s=interval_s)
+        code = EXIT_FAILURE
+        try:
+            code = loop.run()
+        except Exception:
+            log.exception("supervisor loop failed; killing children")
+            supervisor.kill_all()
+            for child in supervisor.live_children():
+                try:
+                    child.popen.wait(10)
+                except Exception:  # noqa: BLE001 - best effort on the way out
+                    pass
     log.info("stopped", exit_code=code)
     return code
 
@@ -162,8 +159,6 @@ def main(args: argparse.Namespace) -> int:
 def _admin_tcp(config, log) -> dict:
     """ControlServer's TCP arguments for --admin-tcp (none without it). The server key
     pair is made on first use; at least one authorized client key must exist."""
-    from planaria.daemon.admin_keys import authorized_keys, server_keypair
-
     if not config.admin_tcp:
         return {}
     keys_dir = Path(config.admin_keys_dir or Path(config.state_dir) / "admin-keys")
@@ -186,9 +181,9 @@ def _start_ep(config, supervisor, log):
     roles are audited at every start. With --etcd-listen beyond loopback it is set up on
     loopback first and then serves TLS only, with a CA of the daemon's own in
     STATE_DIR/etcd/tls/ (elastic/etcd_bootstrap.py, elastic/etcd_pki.py)."""
-    from planaria.daemon.ep_supervisor import EPSupervisor
+    # deferred: only --parallel ep needs them, and planaria.elastic brings torch, grpc and
+    # etcd3 (about a second); the etcd keeper brings urllib and http.client
     from planaria.daemon.etcd_keeper import EtcdKeeper
-    from planaria.daemon.launch import node_id
     from planaria.elastic.cluster import EPNode
     from planaria.elastic.etcd_bootstrap import embedded_etcd
     from planaria.elastic.etcd_server import free_port, url_host

@@ -20,6 +20,7 @@ HELP = "print the CLI's and the running daemon's version"
 
 
 def version() -> str:
+    # deferred: importlib.metadata (about 40 modules) slows the CLI's start
     from importlib.metadata import PackageNotFoundError
     from importlib.metadata import version as dist_version
 

@@ -12,6 +12,7 @@ expert-parallel rank passes ``expert_range`` and reads only its own experts.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import time
@@ -38,6 +39,7 @@ SUPPORTED = {
 def load_hf_config(model_dir: str):
     if not (Path(model_dir) / "config.json").is_file():
         raise ModelLoadError(f"{model_dir}: no config.json (expected a Hugging Face model directory)")
+    # deferred: transformers is heavy (seconds); importing the engine must not pay it
     from transformers import AutoConfig
 
     try:
@@ -337,8 +339,6 @@ def _assign_cached_experts(model, cache: expert_cache.ExpertCache, rd: _Reader, 
 
 def model_fingerprint(model_dir: str) -> str:
     """Stable id of a checkpoint: config plus weight file names and sizes."""
-    import hashlib
-
     h = hashlib.sha256()
     d = Path(model_dir)
     h.update((d / "config.json").read_bytes())

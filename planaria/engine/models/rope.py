@@ -26,6 +26,7 @@ def compute_inv_freq(hf_config) -> tuple[torch.Tensor, float]:
         return inv_freq, 1.0
     if rope_type == "dynamic":
         raise UnsupportedModelError("rope_type 'dynamic' is not supported")
+    # deferred: transformers is heavy (seconds); importing the engine must not pay it
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, "cpu")

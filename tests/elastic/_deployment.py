@@ -1,4 +1,5 @@
-"""A one-node expert-parallel deployment assembled from real parts, for tests and bench/:
+"""A one-node expert-parallel deployment assembled from real parts, for tests and bench/
+(bench/scale_up.py; bench runs from the repository root, where ``tests`` imports):
 an embedded etcd, the HTTP frontend process, EP engine processes, and an EPNode (lease,
 election, controller). A watcher thread plays the supervisor's part for engines: when an
 engine process exits it reports ENGINE_CORE_DEAD to the frontend (a SIGKILLed engine
@@ -9,6 +10,7 @@ cannot) and deletes its etcd record at once.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -17,14 +19,18 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import zmq
 
+from planaria.common.sockets import ipc_addresses
 from planaria.elastic.cluster import EPNode, ProcessLauncher
 from planaria.elastic.etcd_server import EmbeddedEtcd
 from planaria.elastic.keys import KeyLayout
 from planaria.elastic.membership import forget_engine
+from planaria.engine.death_reporter import DeathReporter
 
 
 def free_port() -> int:
@@ -61,8 +67,6 @@ class EPDeployment:
         return f"http://127.0.0.1:{self.http_port}"
 
     def start(self, timeout_s: float = 180) -> "EPDeployment":
-        from planaria.engine.client import ipc_addresses
-
         if self.etcd is not None:
             self.etcd.start()
         endpoints = self._endpoints or [self.etcd.endpoint]
@@ -89,8 +93,6 @@ class EPDeployment:
         return self
 
     def _watch(self) -> None:
-        from planaria.daemon.loop import DeathReporter
-
         ctx = zmq.Context.instance()
         report = DeathReporter(ctx, self.output_addr)
         reported: set[str] = set()
@@ -132,10 +134,6 @@ class EPDeployment:
 
     def frontend_healthy(self) -> int:
         """How many engines the frontend routes to (READY comes once a rank is in a group)."""
-        import json
-        import urllib.error
-        import urllib.request
-
         try:
             with urllib.request.urlopen(f"{self.base_url}/ready", timeout=2) as r:
                 return int(json.loads(r.read())["num_healthy_engines"])
