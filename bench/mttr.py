@@ -434,13 +434,17 @@ def measure(args: argparse.Namespace, log: Callable[[str], None] = print) -> lis
     return runs
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    runs = measure(args, lambda line: print(line, flush=True))
+def print_report(runs: list[Run], as_json: bool) -> None:
+    """The table (and the runs as JSON with ``--json``), after the progress lines."""
     print()
     print("\n".join(table(runs)))
-    if args.json:
+    if as_json:
         print(json.dumps([asdict(r) for r in runs]))
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    print_report(measure(args, lambda line: print(line, flush=True)), args.json)
     return 0
 
 

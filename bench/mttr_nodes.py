@@ -38,11 +38,10 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict
 from pathlib import Path
 
 from bench.closed_loop import ClosedLoopLoad, offline_reference
-from bench.mttr import Run, host, longest_stall_s, model_dir, table
+from bench.mttr import Run, host, longest_stall_s, model_dir, print_report
 from bench.netns import Net
 from bench.serve_stack import REPO
 from bench.streaming_load import request_bodies
@@ -211,10 +210,7 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(node.runtime, ignore_errors=True)
         etcd.stop()
         net.down()
-    print()
-    print("\n".join(table(runs)))
-    if args.json:
-        print(json.dumps([asdict(r) for r in runs]))
+    print_report(runs, args.json)
     return 0
 
 

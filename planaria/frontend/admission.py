@@ -16,7 +16,6 @@ presented as the caller's bearer token. Others get 400 naming ``priority``.
 
 from __future__ import annotations
 
-import hmac
 from typing import Callable
 
 from aiohttp import web
@@ -82,9 +81,3 @@ def check_priority(request: web.Request, priority: int | None) -> int:
         raise RequestError("priority may be set only by callers the operator allows (--allow-client-priority, "
                            "or the priority key as the bearer token)", param="priority")
     return priority
-
-
-def bearer_matches(request: web.Request, key: str) -> bool:
-    scheme, _, given = request.headers.get("Authorization", "").partition(" ")
-    return scheme.lower() == "bearer" and hmac.compare_digest(
-        given.strip().encode("utf-8", "surrogateescape"), key.encode("utf-8", "surrogateescape"))

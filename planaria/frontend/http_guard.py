@@ -51,15 +51,31 @@ from planaria.frontend.errors import AuthenticationError, BodyTimeoutError, Body
 from planaria.frontend.limits import ServerLimits
 
 
-def check_api_key(request: web.Request, api_key: str) -> None:
+def bearer_token(request: web.Request) -> str | None:
+    """The token of ``Authorization: Bearer <token>``, or None when there is none."""
     scheme, _, given = request.headers.get("Authorization", "").partition(" ")
-    if scheme.lower() != "bearer" or not given.strip():
+    token = given.strip()
+    return token if scheme.lower() == "bearer" and token else None
+
+
+def same_key(token: str, key: str) -> bool:
+    """Constant-time comparison of the bytes the client sent: aiohttp decodes header bytes
+    as UTF-8 with surrogateescape, so encoding back the same way gives them (a plain
+    .encode() raised on non-UTF-8 ones)."""
+    return hmac.compare_digest(token.encode("utf-8", "surrogateescape"), key.encode("utf-8", "surrogateescape"))
+
+
+def bearer_matches(request: web.Request, key: str) -> bool:
+    token = bearer_token(request)
+    return token is not None and same_key(token, key)
+
+
+def check_api_key(request: web.Request, api_key: str) -> None:
+    token = bearer_token(request)
+    if token is None:
         raise AuthenticationError("this server needs an API key: send 'Authorization: Bearer <key>'",
                                   code="invalid_api_key")
-    # aiohttp decodes header bytes as UTF-8 with surrogateescape: encoding back the same
-    # way gives the bytes the client sent (a plain .encode() raised on non-UTF-8 ones)
-    if not hmac.compare_digest(given.strip().encode("utf-8", "surrogateescape"),
-                               api_key.encode("utf-8", "surrogateescape")):
+    if not same_key(token, api_key):
         raise AuthenticationError("incorrect API key provided", code="invalid_api_key")
 
 

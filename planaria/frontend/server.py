@@ -36,11 +36,11 @@ from aiohttp import web
 from planaria.engine.detokenizer import IncrementalDetokenizer
 from planaria.frontend import responses as R
 from planaria.frontend.admin import EngineAdmin
-from planaria.frontend.admission import ADMISSION, MAY_SET_PRIORITY, Admission, bearer_matches
+from planaria.frontend.admission import ADMISSION, MAY_SET_PRIORITY, Admission
 from planaria.frontend.embeddings import EmbeddingServing
 from planaria.frontend.errors import FrontendError, ServiceUnavailableError, TooManyRequestsError, error_body
 from planaria.frontend.generation import Generator
-from planaria.frontend.http_guard import check_api_key, read_body
+from planaria.frontend.http_guard import bearer_matches, check_api_key, read_body
 from planaria.frontend.limits import RequestLimits, ServerLimits, check_json_depth
 from planaria.frontend.metrics import FrontendMetrics
 from planaria.frontend.render import PromptRenderer
