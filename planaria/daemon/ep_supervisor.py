@@ -203,7 +203,8 @@ class EPSupervisor:
                 "ops": {o.op_id: op_view(o) for o in ops},  # bounded (elastic/desired.py MAX_KEPT_OPS)
                 "engines": {e: {"node_id": r.node_id, "state": r.state.value, "epoch": r.epoch, "rank": r.rank,
                                 "kv_source": r.kv_source, "kv_cache_bytes": r.kv_cache_bytes,
-                                "failed_epoch": r.failed_epoch, "error": r.error}
+                                "failed_epoch": r.failed_epoch, "error": r.error,
+                                "transport": str(r.addresses.get("transport", ""))[:16]}
                             for e, r in records.items()}}
 
     def annotate(self, engines: list[dict[str, Any]], ep: dict[str, Any]) -> None:
@@ -215,6 +216,7 @@ class EPSupervisor:
             e["rank"] = rec["rank"] if rec else None
             e["epoch"] = rec["epoch"] if rec else None
             e["ep_state"] = rec["state"] if rec else None
+            e["transport"] = (rec.get("transport") or None) if rec else None
 
 
 class _frozen_when_down:

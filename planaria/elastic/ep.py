@@ -22,6 +22,8 @@ Applied as a transform (``apply_expert_parallel``): the model code only has a ho
 from __future__ import annotations
 
 import datetime
+import logging
+import os
 import socket
 import threading
 import time
@@ -31,9 +33,15 @@ import msgspec
 import torch
 import torch.distributed as dist
 
+from planaria.elastic import shm_group
 from planaria.elastic.errors import ElasticError
+from planaria.elastic.shm_group import ShmGroup
 from planaria.engine.models.decoder import SparseMoE
-from planaria.kernels.moe import grouped_expert_mlp
+from planaria.kernels import cpu_ext
+from planaria.kernels.moe import fused_kernel_takes, grouped_expert_mlp
+
+
+log = logging.getLogger(__name__)
 
 
 class CollectiveError(ElasticError):
@@ -167,10 +175,81 @@ class EPGroup:
         except (RuntimeError, dist.DistError) as exc:
             raise CollectiveError(f"epoch {spec.epoch}: cannot form the group: {exc}") from exc
 
+    # The shared-memory transport of ranks on one node (elastic/shm_group.py), set up by
+    # ``attach_shm`` once the group formed; None: every collective goes through gloo.
+    shm: ShmGroup | None = None
+    _waiting_since: float | None = None
+
     # ``waiting_since``: the monotonic time this rank entered the collective it is in (None
     # between collectives). A rank blocked there waits on a peer, it is not hung itself: its
     # heartbeat says so, and the collective timeout bounds the wait.
-    waiting_since: float | None = None
+    @property
+    def waiting_since(self) -> float | None:
+        if self.shm is not None and self.shm.waiting_since is not None:
+            return self.shm.waiting_since
+        return self._waiting_since
+
+    @waiting_since.setter
+    def waiting_since(self, value: float | None) -> None:
+        self._waiting_since = value
+
+    @property
+    def transport(self) -> str:
+        return "shm" if self.shm is not None else self.spec.backend
+
+    def attach_shm(self, hidden: int, top_k: int, dtype: torch.dtype, max_tokens: int) -> bool:
+        """Move the group's collectives to shared memory when every rank is on this node
+        (every rank calls it right after forming; they agree through gloo). Returns whether
+        the group uses it. Raises CollectiveError when a peer fails meanwhile."""
+        if self.spec.backend != "gloo" or self.world_size < 2 or top_k <= 0:
+            return False
+        spec = self.spec
+        store = dist.PrefixStore(f"planaria/epoch{spec.epoch}/shm/", self._store)
+        path = ""
+        try:
+            store.set(f"card/{self.rank}", msgspec.json.encode(shm_group.rank_card()))
+            self._gloo_min([0])
+            cards = [shm_group.parse_card(store.get(f"card/{r}")) for r in range(self.world_size)]
+            budget = int(float(os.environ.get(shm_group.ENV_BUDGET_MB, shm_group.DEFAULT_BUDGET_MB)) * 2**20)
+            layout = shm_group.Layout.fit(self.world_size, hidden, top_k, dtype, max_tokens, budget)
+            ok = shm_group.shared_node(cards) and layout is not None
+            agreed = self._gloo_min([int(ok), layout.capacity if layout is not None else 0])
+            if not agreed[0]:
+                return False
+            layout = shm_group.Layout(self.world_size, agreed[1], hidden, top_k, dtype)
+            if self.rank == 0:
+                try:
+                    path = shm_group.create_segment(spec.epoch, layout.size())
+                except OSError as exc:
+                    log.warning("epoch %d: no shared segment (%s): collectives over gloo", spec.epoch, exc)
+                store.set("path", path.encode())
+            self._gloo_min([0])
+            path = store.get("path").decode("utf-8", "replace")
+            group = None
+            if path:
+                try:
+                    group = ShmGroup(path, self.rank, layout, [(c["pid"], c["start"]) for c in cards],
+                                     spec.timeout_s)
+                except (OSError, ElasticError, ValueError) as exc:
+                    log.warning("epoch %d: shared segment %s not mapped (%s)", spec.epoch, path, exc)
+            everyone = self._gloo_min([int(group is not None)])[0]
+            self.shm = group if everyone else None
+            return self.shm is not None
+        except (RuntimeError, dist.DistError, ElasticError) as exc:
+            raise CollectiveError(f"epoch {spec.epoch}: cannot set up the shared transport: {exc}") from exc
+        finally:
+            if self.rank == 0 and path:
+                try:
+                    os.unlink(path)  # every rank mapped it (or gave up): nothing outlives the processes
+                except OSError:
+                    pass
+
+    def _gloo_min(self, values: list[int]) -> list[int]:
+        t = torch.tensor(values, dtype=torch.long)
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp.MIN
+        self.pg.allreduce([t], opts).wait()
+        return t.tolist()
 
     def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_splits: list[int]) -> None:
         self.waiting_since = time.monotonic()
@@ -182,6 +261,11 @@ class EPGroup:
             self.waiting_since = None
 
     def all_reduce_max(self, t: torch.Tensor) -> torch.Tensor:
+        if self.shm is not None:
+            try:
+                return self.shm.all_reduce_max(t)
+            except ElasticError as exc:
+                raise CollectiveError(f"all_reduce failed: {exc}") from exc
         self.waiting_since = time.monotonic()
         try:
             opts = dist.AllreduceOptions()
@@ -194,6 +278,9 @@ class EPGroup:
         return t
 
     def destroy(self) -> None:
+        if self.shm is not None:
+            self.shm.close()
+            self.shm = None
         self.pg = None
         self._store = None
 
@@ -221,6 +308,14 @@ class ExpertParallel:
     def forward(self, moe, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         # x: [T, H]; weights, ids: [T, K]
         g = self.group
+        if g.shm is not None:
+            try:
+                return g.shm.moe(moe, x, weights, ids, self.rank_of_expert)
+            except ElasticError as exc:
+                raise CollectiveError(f"shared MoE exchange failed: {exc}") from exc
+        invariant = getattr(moe, "invariant", False)
+        if g.world_size == 1:  # every expert is here: the one-engine code, nothing to exchange
+            return grouped_expert_mlp(x, moe.w13, moe.w2, weights, ids, moe.expert_start, None, invariant)
         T, K = ids.shape
         H = x.shape[1]
         W = g.world_size
@@ -238,14 +333,33 @@ class ExpertParallel:
         recv_ids = ids.new_empty(R)
         g.all_to_all(recv_x, send_x, rc, sc)
         g.all_to_all(recv_ids, send_ids, rc, sc)
-        # Each received pair is one (token, expert) with weight 1: the source applies weights.
-        ones = x.new_ones(R, 1)
-        y = grouped_expert_mlp(recv_x, moe.w13, moe.w2, ones, recv_ids[:, None], moe.expert_start)  # [R, H]
-        back = x.new_empty(T * K, H)
+        # Each received pair's output, unweighted and in float32, goes back to its source,
+        # which sums its pairs in k order with the one-engine code (moe_combine), so a token
+        # gets the same bits whichever rank ran its experts (as over shared memory).
+        y = self._pair_outputs(moe, recv_x, recv_ids, invariant)  # [R, H] float32
+        back = y.new_empty(T * K, H)
         g.all_to_all(back, y, sc, rc)
         self.num_collectives += 4
         pair_out = torch.empty_like(back).index_copy_(0, order, back)
-        return (pair_out.view(T, K, H) * weights[..., None]).sum(dim=1)
+        if cpu_ext.available() and x.device.type == "cpu":
+            out = torch.empty_like(x)
+            src = torch.arange(T * K, device=x.device).view(T, K)
+            torch.ops.planaria.moe_combine(pair_out, src, weights.float().contiguous(), out)
+            return out
+        return (pair_out.view(T, K, H) * weights.float()[..., None]).sum(dim=1).to(x.dtype)
+
+    @staticmethod
+    def _pair_outputs(moe, recv_x: torch.Tensor, recv_ids: torch.Tensor, invariant: bool) -> torch.Tensor:
+        """Each received (token, expert) pair's expert output [R, H], float32, unweighted."""
+        R, H = recv_x.shape
+        if fused_kernel_takes(recv_x, moe.w13, moe.w2, R, invariant):
+            y = torch.empty(R, 1, H, dtype=torch.float32, device=recv_x.device)
+            torch.ops.planaria.fused_moe_pairs(recv_x.contiguous(), moe.w13, moe.w2, recv_ids[:, None].contiguous(),
+                                               moe.expert_start, y)
+            return y.view(R, H)
+        ones = recv_x.new_ones(R, 1)
+        return grouped_expert_mlp(recv_x, moe.w13, moe.w2, ones, recv_ids[:, None], moe.expert_start, None,
+                                  invariant).float()
 
 
 def apply_expert_parallel(model, ep: ExpertParallel | None) -> int:

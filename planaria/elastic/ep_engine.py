@@ -102,6 +102,9 @@ class EPRank:
         ``abandon()`` true gives the forming up (CollectiveError): a newer epoch was written."""
         t0 = time.monotonic()
         self.group = EPGroup(spec, self.store(spec.rendezvous), bind_host=self.bind_host, abandon=abandon)
+        runner = self.core.runner
+        self.group.attach_shm(runner.spec.hidden_size, runner.spec.top_k, runner.dtype,
+                              self.core.config.max_num_batched_tokens)
         self.spec = spec
         apply_expert_parallel(self.core.runner.model, ExpertParallel(self.group, spec.expert_map))
         self.switch_times_s["form_group_s"] = time.monotonic() - t0

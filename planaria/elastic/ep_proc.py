@@ -99,7 +99,8 @@ class EPEngineCoreProc(EngineCoreProc):
         rec = EngineRecord(engine_id=self.engine_id, node_id=self.node_id,
                            rank=spec.rank if spec else None, epoch=spec.epoch if spec else 0, state=state,
                            addresses={"pid": str(os.getpid()), "engine_index": str(self.engine_index),
-                                      "num_kv_blocks": str(core.num_kv_blocks if core else 0)},
+                                      "num_kv_blocks": str(core.num_kv_blocks if core else 0),
+                                      "transport": self.ep.group.transport if spec else ""},
                            kv_cache_bytes=core.kv_cache_bytes if core else 0,
                            kv_source=core.kv_source if core else "",
                            timings={**(core.init_timings if core else {}), **self.timings},
@@ -319,8 +320,8 @@ class EPEngineCoreProc(EngineCoreProc):
         self.timings["serving_at"] = time.time()
         self.timings.update(self.ep.switch_times_s)
         self._carry_out(self.lifecycle.on_group_formed(spec.epoch))
-        log.info("engine %s: rank %d of %d in epoch %d (%.3f s)", self.engine_id, spec.rank, spec.world_size,
-                 spec.epoch, self.timings["switch_s"])
+        log.info("engine %s: rank %d of %d in epoch %d over %s (%.3f s)", self.engine_id, spec.rank,
+                 spec.world_size, spec.epoch, self.ep.group.transport, self.timings["switch_s"])
         bind_process(rank=spec.rank, epoch=spec.epoch)  # every later log line names the rank
         self._record(EngineRecordState.DRAINING if self.rank.leaving else EngineRecordState.SERVING)
 

@@ -79,6 +79,8 @@ def compilable(model, expert_parallel: bool = False) -> str | None:
     """Why this model's forward cannot take the compiled path (None: it can)."""
     if expert_parallel or any(getattr(m, "ep_forward", None) is not None for m in model.modules()):
         return "expert parallelism (MoE layers exchange tokens with peers mid-forward)"
+    if model.batch_invariant:  # Inductor's fused elementwise code rounds unlike the eager prefill's
+        return "batch-invariant mode (a compiled step would round unlike the eager prefill)"
     if next(model.parameters()).device.type == "cpu" and not cpu_ext.available():
         return f"the C++ CPU kernels are not loaded ({cpu_ext.status()})"
     return None

@@ -46,6 +46,11 @@ class EngineConfig(msgspec.Struct, kw_only=True, omit_defaults=True):
     # decode-only batches through torch.compile (engine/compiled.py): graphs compiled at
     # start-up (tens of seconds on a small CPU, less from the cache), then less Python per step
     compile: bool = False
+    # every kernel's result for a token independent of its batch-mates and of prefill vs
+    # decode, so a request's tokens and logprobs replay bit for bit (docs/performance.md,
+    # "Batch invariance"); None: "auto", on where its kernels are as fast
+    # (engine/batch_invariance.py); True needs the C++ CPU kernels; no compiled forward
+    batch_invariant: bool | None = None
 
     def validate(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):

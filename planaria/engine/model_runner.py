@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import structlog
 import torch
 
-from planaria.engine import prompt_logprobs
+from planaria.engine import batch_invariance, prompt_logprobs
 from planaria.engine.batch_layout import BatchLayout, layout_batch
 from planaria.engine.config import EngineConfig
 from planaria.engine.dtype import choose_dtype
@@ -71,12 +71,16 @@ class ModelRunner:
                 torch.set_num_threads(config.num_threads)
             if self.dtype != torch.float32:  # bf16/fp16 decode attention: C++ or torch code
                 log.info("C++ CPU kernels: %s", cpu_ext.status())
+        # the batch-invariant kernels, or not (engine/batch_invariance.py: "auto" by default)
+        self.invariance = batch_invariance.choose(config.batch_invariant, self.device, self.dtype, config.compile)
+        log.info("batch-invariant mode %s (%s)", "on" if self.invariance.on else "off", self.invariance.reason)
         t0 = time.monotonic()
         self.load_timings: dict[str, float] = {}  # build_s, read_s (engine/models/loader.py)
         self.model, self.hf_config, self.spec, self.weights_bytes = load_model(
             config.model, self.dtype, self.device, max_model_len, expert_range, progress,
-            hf_config=hf_config, timings=self.load_timings)
-        # bf16 linears on the CPU get oneDNN-packed copies, counted before the memory profile
+            hf_config=hf_config, timings=self.load_timings, batch_invariant=self.invariance.on)
+        # bf16 linears on the CPU get packed copies (for oneDNN, or for the batch-invariant
+        # kernel), counted before the memory profile
         self.packed_bytes = packing.pack_linears(self.model, self.device, self.dtype, experts=expert_range is None)
         self.weights_bytes += self.packed_bytes
         self.load_s = time.monotonic() - t0

@@ -12,7 +12,9 @@ C++ kernels for the CPU (csrc/, built at install by cpu_ext.py and loaded if pre
 decode attention read from the paged KV cache in place and the fused MoE experts at
 decode batches (float32, bfloat16, float16), RMSNorm (float32, bfloat16, float16; float32
 sums in another order than torch's mean: the last bits differ), the greedy argmax, linears at a few rows
-(linear.py says when each dtype takes it); the torch code stays the
+(linear.py says when each dtype takes it), and bf16 linears whose rows do not depend on
+each other (the batch-invariant mode: linear.py, attention.py, moe.py take an
+``invariant`` argument); the torch code stays the
 fallback and the reference they are tested against. There
 are no separate GPU kernels (no Triton or CUDA code): the same torch code runs on CPU and
 on CUDA. tests/kernels/test_*.py check each kernel on

@@ -17,6 +17,17 @@ AMD EPYC with AVX512-BF16: 6.2 ms against 0.4 ms per layer at 64 sequences of 19
 SmolLM2's 9 query and 3 KV heads), half the step's time. ``_decode_gqa`` computes the
 scores per KV head for its group of query heads (no repeated K/V), softmax in float32,
 then the weighted sum. float32 without the kernels, and GPUs, keep SDPA.
+
+Batch invariance (``invariant=True``, the engine's ``batch_invariant`` mode): a query at
+position p must get the same output bits whether it was decoded or prefilled (in any
+chunk, after a prefix-cache hit or not) and whatever its batch-mates. SDPA's prefill
+arithmetic is not the decode kernel's, so in that mode every query row, prefill rows too,
+goes through the C++ decode kernel, each with its own context length (the tokens up to
+and including itself; the chunk's K/V are in the cache before attention runs). That
+kernel's arithmetic for one (query, KV head) depends on the context length alone: it
+never splits the KV range (not by batch size, not by thread count), the scores of keys
+t and t + 16 k are summed in the same lanes, and the softmax and the weighted sum run
+over the context in order.
 """
 
 from __future__ import annotations
@@ -49,6 +60,7 @@ class AttentionMetadata:
     prefills: list[PrefillSeq] = field(default_factory=list)
     block_size: int = 0
     _decode_mask: torch.Tensor | None = None
+    _per_query: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def decode_mask(self) -> torch.Tensor | None:
@@ -60,6 +72,26 @@ class AttentionMetadata:
             self._decode_mask = (torch.arange(span, device=ctx.device)[None, :] < ctx[:, None]).view(
                 self.num_decode, 1, 1, span)
         return self._decode_mask
+
+    def per_query_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Block tables [T, NB] int64 (0-padded) and context lengths [T] int64 for every
+        query row, decodes then each prefill chunk's rows (query p of a chunk starting at
+        s attends to s + p + 1 tokens), made on first use: the invariant mode's one call
+        of the decode kernel for the whole batch."""
+        if self._per_query is None:
+            tables: list[torch.Tensor] = []
+            lens: list[torch.Tensor] = []
+            if self.num_decode:
+                tables.append(self.decode_blocks)
+                lens.append(self.decode_ctx_lens)
+            for p in self.prefills:
+                table = p.slots[::self.block_size] // self.block_size  # [ceil(ctx / block_size)]
+                tables.append(table.expand(p.q_len, -1))
+                lens.append(torch.arange(p.ctx_len - p.q_len + 1, p.ctx_len + 1, device=table.device))
+            width = max(t.shape[1] for t in tables)
+            self._per_query = (torch.cat([F.pad(t, (0, width - t.shape[1])) for t in tables]).contiguous(),
+                               torch.cat(lens))
+        return self._per_query
 
 
 _CPU = torch.device("cpu")
@@ -125,10 +157,17 @@ def paged_attention(
     v_cache: torch.Tensor,  # [S, Hkv, D]
     md: AttentionMetadata,
     scale: float,
+    invariant: bool = False,  # every query through the decode kernel (the module docstring)
 ) -> torch.Tensor:  # [T, Hq, D]
     k_cache.index_copy_(0, md.slot_mapping, k)
     v_cache.index_copy_(0, md.slot_mapping, v)
     out = torch.empty_like(q)
+    if invariant:
+        if q.shape[0]:
+            blocks, lens = md.per_query_tables()
+            torch.ops.planaria.decode_attention(q.contiguous(), k_cache, v_cache, blocks, lens, md.block_size,
+                                                scale, out)
+        return out
     # decode-only: the batch's own size (a compiled forward keeps it symbolic, while an
     # int attribute would be a constant of the graph: engine/compiled.py)
     B = q.shape[0] if not md.prefills else md.num_decode

@@ -11,15 +11,21 @@ is also the reference the C++ is tested against (tests/kernels/test_cpu_ext.py).
 The ops: ``torch.ops.planaria.decode_attention`` (csrc/decode_attention.cpp), decode
 attention read from the paged KV cache in place; ``torch.ops.planaria.fused_moe``
 (csrc/fused_moe.cpp), the MoE expert MLP for small batches, streaming each expert's
-weights once for all its tokens (AVX512-BF16's dot instruction where the CPU has it);
+weights once for all its tokens (AVX512-BF16's dot instruction where the CPU has it), and
+its two halves for expert parallelism, ``fused_moe_pairs`` (each pair's output, unweighted)
+and ``moe_combine`` (the weighted sum in k order, the same code as fused_moe's);
 ``torch.ops.planaria.rms_norm`` (csrc/rms_norm.cpp), RMSNorm in one op;
 ``torch.ops.planaria.argmax_rows`` (csrc/argmax.cpp), greedy sampling's argmax;
 ``torch.ops.planaria.skinny_linear`` (csrc/skinny_linear.cpp), linears at a few rows;
+``torch.ops.planaria.invariant_linear`` (csrc/invariant_linear.cpp), bfloat16 linears whose
+rows do not depend on each other's presence (the batch-invariant mode, kernels/linear.py);
 ``torch.ops.planaria.linear_argmax`` (csrc/lm_head_argmax.cpp), greedy tokens straight
 from the lm_head, a vocab chunk at a time, and for an lm_head packed for oneDNN as chunks
 (engine/models/packing.py) ``packed_linear_argmax`` and ``packed_linear_chunked`` (its
 logits); ``torch.ops.planaria.packed_linear`` (csrc/skinny_linear.cpp), oneDNN's packed
-linear under a name a compiled forward treats as opaque.
+linear under a name a compiled forward treats as opaque; ``shm_publish`` and
+``shm_wait_all`` (csrc/shm_sync.cpp), the sequence flags of the shared-memory collectives of
+expert-parallel ranks on one node (elastic/shm_group.py).
 """
 
 from __future__ import annotations
@@ -38,8 +44,9 @@ ENV = "PLANARIA_CPU_KERNELS"
 SRC_DIR = Path(__file__).resolve().parent / "csrc"
 EXT_DIR = Path(__file__).resolve().parent / "_ext"
 _BUILD_RECIPE = "2: -ffast-math compile only"  # change it when build() changes
-OPS = ("argmax_rows", "decode_attention", "fused_moe", "linear_argmax", "packed_linear", "packed_linear_argmax",
-       "packed_linear_chunked", "rms_norm", "skinny_linear")
+OPS = ("argmax_rows", "decode_attention", "fused_moe", "fused_moe_pairs", "invariant_linear", "linear_argmax",
+       "moe_combine", "packed_linear", "packed_linear_argmax", "packed_linear_chunked", "rms_norm", "shm_publish",
+       "shm_wait_all", "skinny_linear")
 _state: dict[str, object] = {}
 # PLANARIA_CPU_KERNELS, read once: ``available()`` runs a few hundred times per forward,
 # and an os.environ lookup costs about a microsecond. Tests flip it (monkeypatch.setattr).

@@ -23,6 +23,24 @@ The lm_head has functions of its own: ``lm_head_logits`` and, for greedy rows,
 Sums are float32 in a different order from torch's GEMM, so the float32 results differ
 from F.linear in the last bits; the float32 parity tests against transformers still
 compare greedy tokens exactly (tests/engine/test_parity*.py).
+
+Batch invariance (``invariant=True``, the engine's ``batch_invariant`` mode): a row's
+result must not depend on how many rows share the call. The switch above between two
+kernels breaks that (their sums run in different orders), and so does oneDNN's packed
+bf16 GEMM alone: at K = 1536 a row's result changes with M from 7 rows on (at K = 576 it
+does not; bench/batch_invariance.py). ``invariant_linear`` takes one kernel for every M
+instead, the lm_head included (``lm_head_logits`` / ``linear_argmax``: the logits, then
+``argmax_rows``):
+
+- bfloat16 with AVX512-BF16: ``torch.ops.planaria.invariant_linear``
+  (csrc/invariant_linear.cpp) on the weight packed by ``pack_invariant`` (at load:
+  engine/models/packing.py): each output one float32 lane filled along K in a fixed
+  order, oneDNN's register tile; 0.7-0.96x oneDNN's time at 16-64 rows, about the same at
+  prefill sizes, and the skinny kernel's at one row (bench/batch_invariance.py);
+- otherwise (float32, float16, no AVX512-BF16, no packed copy): the skinny kernel, which
+  is invariant by construction too (one float32 accumulator per (weight row, x row),
+  filled along K in the same order whatever the other rows, then one fixed reduction),
+  ``INVARIANT_ROWS`` rows per call so the rows a weight tile meets stay in L2.
 """
 
 from __future__ import annotations
@@ -35,6 +53,8 @@ from planaria.kernels.sampling import argmax_rows
 
 _MAX_ROWS: dict[torch.dtype, int] = {}
 _FUSED_ARGMAX_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_SKINNY_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+INVARIANT_ROWS = 64  # rows of x per call of the C++ kernel in invariant mode
 
 
 def max_rows(dtype: torch.dtype) -> int:
@@ -62,10 +82,51 @@ def takes_skinny(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and x.dtype == weight.dtype and weight.is_contiguous())
 
 
+def invariant_available(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether ``invariant=True`` can keep its promise here: the C++ kernels on the CPU."""
+    return device.type == "cpu" and dtype in _SKINNY_DTYPES and cpu_ext.available()
+
+
+def invariant_packs(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether ``invariant_linear`` has a packed kernel here (bfloat16 with AVX512-BF16),
+    so weights are worth ``pack_invariant``."""
+    return (device.type == "cpu" and dtype == torch.bfloat16 and cpu_ext.available()
+            and "avx512_bf16" in cpu_ext.cpu_flags().split())
+
+
+def pack_invariant(weight: torch.Tensor) -> torch.Tensor:
+    """weight [N, K] bfloat16 -> [ceil(N / 16), ceil(K / 2), 16, 2]: blocks of 16 output
+    columns, each holding the pairs (W[n, 2p], W[n, 2p + 1]) of its columns for p = 0, 1,
+    ... (zeros past N and K), the layout csrc/invariant_linear.cpp reads."""
+    n, k = weight.shape
+    nb, k2 = -(-n // 16), -(-k // 2)
+    padded = weight.new_zeros(nb * 16, k2 * 2)
+    padded[:n, :k] = weight
+    return padded.view(nb, 16, k2, 2).permute(0, 2, 1, 3).contiguous()
+
+
+def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                     packed: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] @ weight [N, K]^T (+ bias) -> [M, N] with each row's arithmetic the same
+    whatever M (the module docstring); ``packed``: ``pack_invariant(weight)``, for the
+    bfloat16 kernel."""
+    x = x.contiguous()
+    if packed is not None:
+        return torch.ops.planaria.invariant_linear(x, packed, weight.shape[0], bias)
+    if x.shape[0] <= INVARIANT_ROWS:
+        return torch.ops.planaria.skinny_linear(x, weight.contiguous(), bias)
+    weight = weight.contiguous()
+    return torch.cat([torch.ops.planaria.skinny_linear(part, weight, bias) for part in x.split(INVARIANT_ROWS)])
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           packed: torch.Tensor | None = None) -> torch.Tensor:
+           packed: torch.Tensor | None = None, invariant: bool = False) -> torch.Tensor:
     """x [M, K] @ weight [N, K]^T (+ bias) -> [M, N]; ``packed``: the weight packed for
-    oneDNN (engine/models/packing.py), used where the C++ kernel is not."""
+    oneDNN (engine/models/packing.py), used where the C++ kernel is not; ``invariant``:
+    ``invariant_linear``, ``packed`` then being ``pack_invariant``'s or None (the caller
+    checked ``invariant_available``)."""
+    if invariant:
+        return invariant_linear(x, weight, bias, packed)
     if takes_skinny(x, weight):
         return torch.ops.planaria.skinny_linear(x.contiguous(), weight, bias)
     if packed is not None:
@@ -81,19 +142,24 @@ def lm_head_chunk(rows: int, dtype: torch.dtype) -> int:
 
 
 def lm_head_logits(x: torch.Tensor, weight: torch.Tensor, packed: list[torch.Tensor] | None = None,
-                   float32: bool = True) -> torch.Tensor:
+                   float32: bool = True, invariant: bool = False) -> torch.Tensor:
     """The lm_head's logits [M, V], float32 or (``float32=False``) the weight's dtype.
     ``packed``: the weight packed for oneDNN as chunks of vocab rows
     (engine/models/packing.py ``pack_lm_head``); several chunks go through
     ``torch.ops.planaria.packed_linear_chunked``, which runs a chunk per thread and writes
-    it (widened to float32 there, when asked) into its columns while it is in cache."""
+    it (widened to float32 there, when asked) into its columns while it is in cache.
+    ``invariant``: ``invariant_linear``, ``packed`` then ``[pack_invariant(weight)]`` or None."""
+    if invariant:
+        logits = invariant_linear(x, weight, None, packed[0] if packed is not None else None)
+        return logits.float() if float32 else logits
     if packed is not None and len(packed) > 1 and not takes_skinny(x, weight):
         return torch.ops.planaria.packed_linear_chunked(x.contiguous(), packed, packed[0].shape[0], float32)
     logits = linear(x, weight, None, packed[0] if packed is not None and len(packed) == 1 else None)
     return logits.float() if float32 else logits
 
 
-def linear_argmax(x: torch.Tensor, weight: torch.Tensor, packed: list[torch.Tensor] | None = None) -> torch.Tensor:
+def linear_argmax(x: torch.Tensor, weight: torch.Tensor, packed: list[torch.Tensor] | None = None,
+                  invariant: bool = False) -> torch.Tensor:
     """``argmax_rows(lm_head_logits(x, weight, packed))`` -> [M] int64: greedy tokens from an
     lm_head.
 
@@ -102,7 +168,9 @@ def linear_argmax(x: torch.Tensor, weight: torch.Tensor, packed: list[torch.Tens
     cache (csrc/lm_head_argmax.cpp), instead of writing [M, V] logits and reading them back
     from memory: ``torch.ops.planaria.linear_argmax`` on the weight itself, or
     ``packed_linear_argmax`` on its oneDNN-packed chunks. Otherwise (and as the reference)
-    the logits are computed whole."""
+    the logits are computed whole (``invariant``: by ``invariant_linear``)."""
+    if invariant:
+        return argmax_rows(lm_head_logits(x, weight, packed, float32=False, invariant=True))
     m = x.shape[0]
     if (x.dim() == 2 and x.device.type == "cpu" and m > max_rows(weight.dtype) and x.dtype == weight.dtype
             and x.dtype in _FUSED_ARGMAX_DTYPES and cpu_ext.available()):

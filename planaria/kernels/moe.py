@@ -23,6 +23,20 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool):
     return weights.to(router_logits.dtype), ids
 
 
+def fused_kernel_takes(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, num_pairs: int,
+                       invariant: bool = False) -> bool:
+    """Whether ``num_pairs`` (token, expert) pairs of ``x`` go through the C++ kernel
+    (torch.ops.planaria.fused_moe, or fused_moe_pairs on an expert-parallel rank): the one
+    rule for both, so a rank computes its peers' pairs the way one engine would.
+    ``invariant`` (the engine's batch-invariant mode): at every size, since a token's
+    output from the kernel does not depend on the other tokens (each pair's sums are its
+    own accumulators along H and I, the pairs summed in k order), while the torch code's
+    order changes with the batch (bmm or the per-expert loop, oneDNN's blocking by rows)."""
+    return (x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16, torch.float16)
+            and (invariant or num_pairs <= _CPP_PAIRS_PER_EXPERT * w13.shape[0])
+            and w13.is_contiguous() and w2.is_contiguous() and cpu_ext.available())
+
+
 def grouped_expert_mlp(
     x: torch.Tensor,  # [T, H]
     w13: torch.Tensor,  # [E_local, 2I, H]: gate rows then up rows
@@ -31,6 +45,7 @@ def grouped_expert_mlp(
     topk_ids: torch.Tensor,  # [T, K] global expert ids
     expert_offset: int = 0,  # global id of local expert 0
     packed: list[tuple[torch.Tensor, torch.Tensor]] | None = None,  # oneDNN-packed (w13[e], w2[e])
+    invariant: bool = False,  # batch-invariant mode: the C++ kernel at every size (fused_kernel_takes)
 ) -> torch.Tensor:
     """On the CPU (float32, bfloat16, float16) small batches run the C++ kernel (csrc/fused_moe.cpp,
     built by cpu_ext.py; the torch code below is its reference). Otherwise:
@@ -44,9 +59,7 @@ def grouped_expert_mlp(
     H = x.shape[1]
     num_local = w13.shape[0]
     inter = w2.shape[2]
-    if (x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16, torch.float16)
-            and T * K <= _CPP_PAIRS_PER_EXPERT * num_local and w13.is_contiguous() and w2.is_contiguous()
-            and cpu_ext.available()):
+    if fused_kernel_takes(x, w13, w2, T * K, invariant):
         out = torch.empty_like(x)
         torch.ops.planaria.fused_moe(x.contiguous(), w13, w2, topk_weights.float().contiguous(),
                                      topk_ids.contiguous(), expert_offset, out)

@@ -1,5 +1,6 @@
-"""Expert parallelism across real processes (gloo on loopback): greedy outputs equal the
-single-engine outputs token for token, and a group switch at a new world size keeps them."""
+"""Expert parallelism across real processes (shared memory on one node, or gloo on
+loopback): greedy outputs equal the single-engine outputs token for token, and a group
+switch at a new world size keeps them."""
 
 from __future__ import annotations
 
@@ -20,6 +21,16 @@ def _prompts():
 
     rng = random.Random(7)
     return [[rng.randrange(3, 4096) for _ in range(n)] for n in (1, 3, 9, 17, 40, 64, 100, 5, 33, 70, 2, 12)]
+
+
+def _invariant() -> bool:
+    """The batch-invariant kernels where they are built: then a token gets the same bits
+    whichever rank ran its experts and whatever its batch-mates (prompt logprobs included)."""
+    import torch
+
+    from planaria.kernels.linear import invariant_available
+
+    return invariant_available(torch.device("cpu"), torch.float32)
 
 
 def _free_port() -> int:
@@ -45,7 +56,7 @@ def _rank_main(rank, model, world_sizes, port, result_q):
 
     store = host_store(f"127.0.0.1:{port}") if rank == 0 else None
     w0 = world_sizes[0]
-    config = EngineConfig(model=model, kv_cache_bytes=32 * 2**20, max_num_seqs=8)
+    config = EngineConfig(model=model, kv_cache_bytes=32 * 2**20, max_num_seqs=8, batch_invariant=_invariant())
     num_experts = 8
 
     def spec(epoch, r, w):
@@ -68,6 +79,7 @@ def _rank_main(rank, model, world_sizes, port, result_q):
         ep = EPRank(core, spec(1, rank, world_sizes[1]))
         ep.form()
     pending = None
+    transports = [ep.group.transport]
     while True:
         any_work, switch_to, _exit = ep.sync(core.has_unfinished_requests(), pending)
         if switch_to is not None:
@@ -85,11 +97,12 @@ def _rank_main(rank, model, world_sizes, port, result_q):
         steps += 1
         if steps == 4 and len(world_sizes) > 1 and rank < w0:
             pending = spec(1, rank, world_sizes[1])
+    got["transport"] = ep.group.transport if ep.group is not None else transports[-1]
     result_q.put((rank, got))
     del store
 
 
-def _run(model, world_sizes):
+def _run(model, world_sizes, transport="shm"):
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     port = _free_port()
@@ -111,6 +124,8 @@ def _run(model, world_sizes):
     merged = {}
     for got in results.values():
         merged.update(got)
+    assert {got["transport"] for got in results.values()} == {transport}
+    del merged["transport"]
     return merged
 
 
@@ -118,7 +133,8 @@ def _run(model, world_sizes):
 def reference(tiny_moe):
     from planaria.engine.core import EngineCore
 
-    core = EngineCore(EngineConfig(model=tiny_moe, kv_cache_bytes=32 * 2**20, max_num_seqs=8))
+    core = EngineCore(EngineConfig(model=tiny_moe, kv_cache_bytes=32 * 2**20, max_num_seqs=8,
+                                   batch_invariant=_invariant()))
     for i, p in enumerate(_prompts()):
         core.add_request(EngineCoreRequest(request_id=str(i), prompt_token_ids=p, sampling_params=_params(i)))
     got: dict[str, list[int]] = {}
@@ -142,7 +158,18 @@ def _assert_same(got: dict, reference: dict) -> None:
 
 
 def test_ep_two_ranks_equals_single_engine(tiny_moe, reference):
-    _assert_same(_run(tiny_moe, [2]), reference)
+    got = _run(tiny_moe, [2])  # one node: the shared-memory transport
+    _assert_same(got, reference)
+    if _invariant():  # every pair combined by the one-engine code: the same bits
+        assert got == reference
+
+
+def test_ep_two_ranks_over_gloo_equals_single_engine(tiny_moe, reference, monkeypatch):
+    monkeypatch.setenv("PLANARIA_EP_TRANSPORT", "gloo")  # ranks on other nodes use gloo
+    got = _run(tiny_moe, [2], "gloo")
+    _assert_same(got, reference)
+    if _invariant():
+        assert got == reference
 
 
 @pytest.mark.slow  # make test-all (the default suite stays within CI's time; see README)

@@ -80,7 +80,7 @@ def test_compiled_decode_close_to_eager_and_never_recompiles(tiny_moe, dtype):
 def test_compile_off_where_it_cannot_run(tiny_moe, monkeypatch):
     from planaria.engine.compiled import compilable
 
-    llm = LLM(tiny_moe, max_num_seqs=4, kv_cache_bytes=2**24)
+    llm = LLM(tiny_moe, max_num_seqs=4, kv_cache_bytes=2**24, batch_invariant=False)
     model = llm.core.runner.model
     assert llm.core.runner.compile_status == "off" and llm.core.runner.compiled is None
     assert compilable(model) is None

@@ -61,7 +61,9 @@ def _greedy(core: EngineCore, rid: str) -> list[int]:
 
 def _core(model: str, monkeypatch, packed: bool) -> EngineCore:
     monkeypatch.setenv(packing.ENV, "1" if packed else "0")
-    return EngineCore(EngineConfig(model=model, num_kv_blocks=64, max_model_len=256, dtype="bfloat16"))
+    # oneDNN's packing: the batch-invariant mode packs for its own kernel (tests/engine/test_batch_invariance.py)
+    return EngineCore(EngineConfig(model=model, num_kv_blocks=64, max_model_len=256, dtype="bfloat16",
+                                   batch_invariant=False))
 
 
 @pytest.mark.parametrize("cpp", [False, True])
@@ -96,7 +98,7 @@ def test_an_expert_parallel_rank_does_not_pack_its_experts(ckpts, monkeypatch):
     from planaria.engine.model_runner import ModelRunner
 
     monkeypatch.setenv(packing.ENV, "1")
-    runner = ModelRunner(EngineConfig(model=ckpts["a"], num_kv_blocks=8, max_model_len=64, dtype="bfloat16"),
-                         64, (0, 4))
+    runner = ModelRunner(EngineConfig(model=ckpts["a"], num_kv_blocks=8, max_model_len=64, dtype="bfloat16",
+                                      batch_invariant=False), 64, (0, 4))
     assert all(getattr(m, "packed_experts", None) is None for m in runner.model.modules())
     assert any(getattr(m, "packed", None) is not None for m in runner.model.modules())  # linears are

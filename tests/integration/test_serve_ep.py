@@ -56,6 +56,9 @@ def test_ep_group_serves_single_engine_output(daemon, reference):
     # The shared daemon config passes kv_cache_bytes explicitly ("given"); the profiled
     # path is covered by tests/integration/test_ep_scaling.py.
     assert {e["kv_source"] for e in s["engines"]} == {"given"}
+    # both ranks on this node: the group's MoE exchange goes through shared memory
+    assert [e["transport"] for e in s["engines"]] == ["shm", "shm"]
+    assert not [f for f in os.listdir("/dev/shm") if f.startswith(f"planaria-ep-{os.getuid()}-")]
 
 
 def _standby_ready(s: dict) -> bool:

@@ -241,9 +241,10 @@ def _assign(model: torch.nn.Module, name: str, t: torch.Tensor) -> None:
 
 def load_model(model_dir: str, dtype: torch.dtype, device: torch.device, max_positions: int,
                expert_range: tuple[int, int] | None = None, progress=None, hf_config=None,
-               timings: dict | None = None):
+               timings: dict | None = None, batch_invariant: bool = False):
     """Returns (model, hf_config, spec, bytes_loaded). ``hf_config``: the config already
-    read (else read here); ``timings`` gets build_s, read_s (and config_s if read here)."""
+    read (else read here); ``timings`` gets build_s, read_s (and config_s if read here);
+    ``batch_invariant``: the model's kernels (engine/models/decoder.py)."""
     t0 = time.monotonic()
     cfg = hf_config if hf_config is not None else load_hf_config(model_dir)
     spec = spec_from_config(cfg)
@@ -252,7 +253,7 @@ def load_model(model_dir: str, dtype: torch.dtype, device: torch.device, max_pos
     t1 = time.monotonic()
     rotary = rotary_from_config(cfg, max_positions, dtype).to(device)  # computed, on the device
     with torch.device("meta"):  # shapes only: no memory, no init; every parameter is filled below
-        model = DecoderModel(spec, rotary, dtype, expert_range)
+        model = DecoderModel(spec, rotary, dtype, expert_range, batch_invariant)
     t2 = time.monotonic()
     rd = _Reader(Path(model_dir))
     plan = {"embed.weight": [Piece("model.embed_tokens.weight")],

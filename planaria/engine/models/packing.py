@@ -17,6 +17,11 @@ alone) and the C++ kernels are not built: their fused MoE (kernels/csrc/fused_mo
 replaces that loop and reads the parameters themselves. float32 stays unpacked: its
 packed GEMM rounds differently, and the float32 parity tests compare token for token.
 ``PLANARIA_CPU_PACKED_LINEAR=0`` turns it off.
+
+A model built for the batch-invariant mode (``model.batch_invariant``) packs for its own
+kernel instead (kernels/linear.py ``pack_invariant``, bfloat16 where the CPU has
+AVX512-BF16): every ``Linear`` and the LM head (one chunk: the whole weight), no experts
+(the fused MoE kernel reads the parameters), the same bytes as oneDNN's copy.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import os
 import torch
 
 from planaria.kernels import cpu_ext
+from planaria.kernels.linear import invariant_packs, pack_invariant
 
 ENV = "PLANARIA_CPU_PACKED_LINEAR"
 
@@ -69,7 +75,10 @@ def pack_lm_head(weight: torch.Tensor) -> list[torch.Tensor]:
 def pack_linears(model: torch.nn.Module, device: torch.device, dtype: torch.dtype, experts: bool = True) -> int:
     """Pack every bfloat16 linear of ``model`` (modules with a ``packed`` attribute, the
     model's ``lm_head_packed``, and with ``experts`` each MoE layer's ``packed_experts``);
-    returns the bytes the packed copies take (0 when off)."""
+    returns the bytes the packed copies take (0 when off). A batch-invariant model: packed
+    for its kernel (the module docstring) where it has one."""
+    if model.batch_invariant:
+        return _pack_invariant(model, dtype) if invariant_packs(device, dtype) else 0
     return _pack(model, dtype, experts) if available(device, dtype) else 0
 
 
@@ -77,6 +86,9 @@ def repack(model: torch.nn.Module) -> None:
     """After new values were copied into the parameters (a weight swap): pack again what
     ``pack_linears`` packed (nothing, if it packed nothing)."""
     if getattr(model, "lm_head_packed", None) is None:
+        return
+    if model.batch_invariant:
+        _pack_invariant(model, model.lm_head_weight().dtype)
         return
     experts = any(getattr(m, "packed_experts", None) is not None for m in model.modules())
     _pack(model, model.lm_head_weight().dtype, experts)
@@ -97,6 +109,20 @@ def _pack(model: torch.nn.Module, dtype: torch.dtype, experts: bool) -> int:
             model.lm_head_packed = pack_lm_head(w)
             if w is model.embed.weight:  # tied: a copy of its own (a packed Linear's is counted above)
                 added += w.numel() * w.element_size()
+    return added
+
+
+def _pack_invariant(model: torch.nn.Module, dtype: torch.dtype) -> int:
+    added = 0
+    with torch.no_grad():
+        for m in model.modules():
+            if hasattr(m, "packed") and getattr(m, "weight", None) is not None and m.weight.dtype == dtype:
+                m.packed = pack_invariant(m.weight)
+                added += m.packed.numel() * m.packed.element_size()
+        w = model.lm_head_weight()
+        model.lm_head_packed = [pack_invariant(w)]
+        if w is model.embed.weight:  # tied: a copy of its own (a packed Linear's is counted above)
+            added += model.lm_head_packed[0].numel() * w.element_size()
     return added
 
 

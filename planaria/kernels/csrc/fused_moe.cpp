@@ -66,17 +66,37 @@ void rows_times(const T* W, int64_t len, int64_t r0, int64_t r1, int64_t s0, int
   }
 }
 
+// out[t] = sum_k w[t, k] * rows[k] (rows[k] null: a pair computed nowhere here), in k
+// order, in float32: the one combine of per-pair outputs, for the local kernel and for an
+// expert-parallel rank combining the pairs its peers computed (elastic/shm_group.py), so
+// both give the same bits.
 template <typename T>
-void moe_kernel(const at::Tensor& x, const at::Tensor& w13, const at::Tensor& w2, const at::Tensor& topk_weights,
-                const at::Tensor& topk_ids, int64_t expert_offset, at::Tensor& out) {
+__attribute__((noinline)) void combine_row(const float* const* rows, const float* w, int64_t K, int64_t H, T* o) {
+  for (int64_t c = 0; c < H; ++c) {
+    float acc = 0.f;
+    for (int64_t k = 0; k < K; ++k)
+      if (rows[k] != nullptr) acc += w[k] * rows[k][c];
+    o[c] = static_cast<T>(acc);
+  }
+}
+
+// The per-pair outputs of the local experts: y [Pm, H] float32 for slot s, pair_of[s] the
+// pair (token * K + k) of slot s; P slots.
+struct PairOutputs {
+  std::vector<float> y;
+  std::vector<int64_t> pair_of;
+  int64_t P = 0;
+};
+
+template <typename T>
+PairOutputs moe_pairs(const at::Tensor& x, const at::Tensor& w13, const at::Tensor& w2, const at::Tensor& topk_ids,
+                      int64_t expert_offset) {
   const int64_t T_ = x.size(0), H = x.size(1), K = topk_ids.size(1);
   const int64_t E = w13.size(0), I2 = w13.size(1), I = I2 / 2;
   const T* xp = x.data_ptr<T>();
   const T* w13p = w13.data_ptr<T>();
   const T* w2p = w2.data_ptr<T>();
-  const float* twp = topk_weights.data_ptr<float>();
   const int64_t* idp = topk_ids.data_ptr<int64_t>();
-  T* op = out.data_ptr<T>();
   constexpr bool fast = planaria_cpu::tile_dot_fast<T>();  // inputs read as T by tile_dot
 
   // group pairs by local expert (pair p = token * K + k), in pair order
@@ -87,7 +107,11 @@ void moe_kernel(const at::Tensor& x, const at::Tensor& w13, const at::Tensor& w2
   }
   for (int64_t e = 0; e < E; ++e) count[e + 1] += count[e];  // count[e] = first slot of expert e
   const int64_t P = count[E];
-  std::vector<int64_t> pair_of(P), fill(count.begin(), count.end() - 1);
+  PairOutputs res;
+  res.P = P;
+  std::vector<int64_t>& pair_of = res.pair_of;
+  pair_of.resize(P);
+  std::vector<int64_t> fill(count.begin(), count.end() - 1);
   for (int64_t p = 0; p < T_ * K; ++p) {
     const int64_t e = idp[p] - expert_offset;
     if (e >= 0 && e < E) pair_of[fill[e]++] = p;
@@ -107,7 +131,9 @@ void moe_kernel(const at::Tensor& x, const at::Tensor& w13, const at::Tensor& w2
     x_f[s] = fast ? nullptr : xf.data() + (pair_of[s] / K) * H;
   }
   const int64_t Pm = std::max<int64_t>(P, 1);
-  std::vector<float> gu(Pm * I2), y(Pm * H), hf(fast ? 0 : Pm * I);
+  std::vector<float> gu(Pm * I2), hf(fast ? 0 : Pm * I);
+  std::vector<float>& y = res.y;
+  y.resize(Pm * H);
   std::vector<T> ht(fast ? Pm * I : 0);
 
   // phase 1: gu[s, r] = w13[e, r] . x[token of s]
@@ -150,20 +176,32 @@ void moe_kernel(const at::Tensor& x, const at::Tensor& w13, const at::Tensor& w2
                     y.data(), H, wf, outs);
     }
   });
+  return res;
+}
+
+template <typename T>
+void moe_kernel(const at::Tensor& x, const at::Tensor& w13, const at::Tensor& w2, const at::Tensor& topk_weights,
+                const at::Tensor& topk_ids, int64_t expert_offset, at::Tensor& out) {
+  const int64_t T_ = x.size(0), H = x.size(1), K = topk_ids.size(1);
+  const PairOutputs res = moe_pairs<T>(x, w13, w2, topk_ids, expert_offset);
+  const float* twp = topk_weights.data_ptr<float>();
+  T* op = out.data_ptr<T>();
   // out[t] = sum_k weight * y[slot of pair (t, k)], in k order
-  std::vector<int64_t> slot_of(T_ * K, -1);
-  for (int64_t s = 0; s < P; ++s) slot_of[pair_of[s]] = s;
-  for (int64_t t = 0; t < T_; ++t) {
-    T* o = op + t * H;
-    for (int64_t c = 0; c < H; ++c) {
-      float acc = 0.f;
-      for (int64_t k = 0; k < K; ++k) {
-        const int64_t s = slot_of[t * K + k];
-        if (s >= 0) acc += twp[t * K + k] * y[s * H + c];
-      }
-      o[c] = static_cast<T>(acc);
-    }
-  }
+  std::vector<const float*> rows(T_ * K, nullptr);
+  for (int64_t s = 0; s < res.P; ++s) rows[res.pair_of[s]] = res.y.data() + s * H;
+  for (int64_t t = 0; t < T_; ++t) combine_row<T>(rows.data() + t * K, twp + t * K, K, H, op + t * H);
+}
+
+// y [T, K, H] float32: the unweighted output of each pair (t, k) whose expert is local;
+// the rows of other pairs are left as they are.
+template <typename T>
+void pairs_kernel(const at::Tensor& x, const at::Tensor& w13, const at::Tensor& w2, const at::Tensor& topk_ids,
+                  int64_t expert_offset, at::Tensor& y) {
+  const int64_t H = x.size(1);
+  const PairOutputs res = moe_pairs<T>(x, w13, w2, topk_ids, expert_offset);
+  float* yp = y.data_ptr<float>();
+  for (int64_t s = 0; s < res.P; ++s)
+    std::memcpy(yp + res.pair_of[s] * H, res.y.data() + s * H, H * sizeof(float));
 }
 
 void fused_moe(const at::Tensor& x, const at::Tensor& w13, const at::Tensor& w2, const at::Tensor& topk_weights,
@@ -188,11 +226,73 @@ void fused_moe(const at::Tensor& x, const at::Tensor& w13, const at::Tensor& w2,
   }
 }
 
+void fused_moe_pairs(const at::Tensor& x, const at::Tensor& w13, const at::Tensor& w2, const at::Tensor& topk_ids,
+                     int64_t expert_offset, at::Tensor y) {
+  TORCH_CHECK(x.dim() == 2 && w13.dim() == 3 && w2.dim() == 3 && topk_ids.dim() == 2 && y.dim() == 3,
+              "fused_moe_pairs: x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_ids [T, K], y [T, K, H]");
+  TORCH_CHECK(x.is_contiguous() && w13.is_contiguous() && w2.is_contiguous() && topk_ids.is_contiguous() &&
+                  y.is_contiguous(), "fused_moe_pairs: contiguous tensors only");
+  const int64_t T_ = x.size(0), H = x.size(1), E = w13.size(0), I2 = w13.size(1), K = topk_ids.size(1);
+  TORCH_CHECK(I2 % 2 == 0 && w13.size(2) == H && w2.size(0) == E && w2.size(1) == H && w2.size(2) == I2 / 2,
+              "fused_moe_pairs: weight shapes");
+  TORCH_CHECK(topk_ids.size(0) == T_ && topk_ids.scalar_type() == at::kLong, "fused_moe_pairs: topk_ids [T, K] int64");
+  TORCH_CHECK(y.scalar_type() == at::kFloat && y.size(0) == T_ && y.size(1) == K && y.size(2) == H,
+              "fused_moe_pairs: y [T, K, H] float32");
+  TORCH_CHECK(x.scalar_type() == w13.scalar_type() && x.scalar_type() == w2.scalar_type(), "fused_moe_pairs: one dtype");
+  switch (x.scalar_type()) {
+    case at::kBFloat16: pairs_kernel<c10::BFloat16>(x, w13, w2, topk_ids, expert_offset, y); break;
+    case at::kHalf: pairs_kernel<c10::Half>(x, w13, w2, topk_ids, expert_offset, y); break;
+    case at::kFloat: pairs_kernel<float>(x, w13, w2, topk_ids, expert_offset, y); break;
+    default: TORCH_CHECK(false, "fused_moe_pairs: float32, bfloat16 or float16");
+  }
+}
+
+// out [T, H] = sum_k topk_weights[t, k] * rows[src[t, k]] in k order (src -1: skipped),
+// rows [N, H] float32: the pairs' outputs wherever they were computed.
+template <typename T>
+void combine_kernel(const at::Tensor& rows, const at::Tensor& src, const at::Tensor& w, at::Tensor& out) {
+  const int64_t T_ = src.size(0), K = src.size(1), H = rows.size(1), N = rows.size(0);
+  const float* rp = rows.data_ptr<float>();
+  const int64_t* sp = src.data_ptr<int64_t>();
+  for (int64_t i = 0; i < T_ * K; ++i) TORCH_CHECK(sp[i] >= -1 && sp[i] < N, "moe_combine: src out of range");
+  const float* wp = w.data_ptr<float>();
+  T* op = out.data_ptr<T>();
+  at::parallel_for(0, T_, 16, [&](int64_t begin, int64_t end) {
+    std::vector<const float*> ptrs(K);
+    for (int64_t t = begin; t < end; ++t) {
+      for (int64_t k = 0; k < K; ++k) ptrs[k] = sp[t * K + k] < 0 ? nullptr : rp + sp[t * K + k] * H;
+      combine_row<T>(ptrs.data(), wp + t * K, K, H, op + t * H);
+    }
+  });
+}
+
+void moe_combine(const at::Tensor& rows, const at::Tensor& src, const at::Tensor& topk_weights, at::Tensor out) {
+  TORCH_CHECK(rows.dim() == 2 && src.dim() == 2 && topk_weights.sizes() == src.sizes() && out.dim() == 2 &&
+                  out.size(0) == src.size(0) && out.size(1) == rows.size(1),
+              "moe_combine: rows [N, H], src [T, K], topk_weights [T, K], out [T, H]");
+  TORCH_CHECK(rows.is_contiguous() && src.is_contiguous() && topk_weights.is_contiguous() && out.is_contiguous(),
+              "moe_combine: contiguous tensors only");
+  TORCH_CHECK(rows.scalar_type() == at::kFloat && topk_weights.scalar_type() == at::kFloat &&
+                  src.scalar_type() == at::kLong, "moe_combine: rows and weights float32, src int64");
+  switch (out.scalar_type()) {
+    case at::kBFloat16: combine_kernel<c10::BFloat16>(rows, src, topk_weights, out); break;
+    case at::kHalf: combine_kernel<c10::Half>(rows, src, topk_weights, out); break;
+    case at::kFloat: combine_kernel<float>(rows, src, topk_weights, out); break;
+    default: TORCH_CHECK(false, "moe_combine: float32, bfloat16 or float16");
+  }
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(planaria, m) {
   m.def("fused_moe(Tensor x, Tensor w13, Tensor w2, Tensor topk_weights, Tensor topk_ids, int expert_offset, "
         "Tensor(a!) out) -> ()");
+  m.def("fused_moe_pairs(Tensor x, Tensor w13, Tensor w2, Tensor topk_ids, int expert_offset, Tensor(a!) y) -> ()");
+  m.def("moe_combine(Tensor rows, Tensor src, Tensor topk_weights, Tensor(a!) out) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(planaria, CPU, m) { m.impl("fused_moe", &fused_moe); }
+TORCH_LIBRARY_IMPL(planaria, CPU, m) {
+  m.impl("fused_moe", &fused_moe);
+  m.impl("fused_moe_pairs", &fused_moe_pairs);
+  m.impl("moe_combine", &moe_combine);
+}

@@ -1,0 +1,155 @@
+"""The shared-memory transport of expert-parallel ranks on one node (elastic/shm_group.py):
+real processes mapping one segment; a peer SIGKILLed or leaving mid-collective is seen at
+once (not at the collective timeout); hostile cards; the segment never outlives a group."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from planaria.elastic import shm_group
+from planaria.elastic.errors import ElasticError
+from planaria.elastic.shm_group import Layout, ShmCollectiveError, ShmGroup
+from planaria.kernels import cpu_ext
+
+pytestmark = pytest.mark.skipif(not cpu_ext.available(), reason="the C++ kernels are not built")
+
+TIMEOUT_S = 30.0
+
+
+def _layout(world: int = 2) -> Layout:
+    return Layout(world, 16, 8, 2, torch.bfloat16)
+
+
+def _rank(path, rank, world, peers, steps, die_at, q):
+    g = ShmGroup(path, rank, _layout(world), peers, TIMEOUT_S)
+    q.put(("mapped", rank, None))
+    try:
+        for i in range(steps):
+            if i == die_at:
+                os.kill(os.getpid(), signal.SIGKILL)
+            t = torch.tensor([rank * 10 + i, -i], dtype=torch.long)
+            g.all_reduce_max(t)
+            assert t.tolist() == [(world - 1) * 10 + i, -i], t
+        q.put(("done", rank, None))
+    except ShmCollectiveError as exc:
+        q.put(("error", rank, (str(exc), time.monotonic())))
+
+
+def _run(world, steps, die_at=None, die_rank=1):
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    path = shm_group.create_segment(0, _layout(world).size())
+    # spawn children through a parent-side barrier: each learns the others' pids from the queue
+    readers = [ctx.Queue() for _ in range(world)]
+    procs = [ctx.Process(target=_rank_wait_peers, args=(path, r, world, steps, die_at if r == die_rank else None,
+                                                       readers[r], q)) for r in range(world)]
+    for p in procs:
+        p.start()
+    peers = [(p.pid, shm_group.process_start(p.pid)) for p in procs]
+    for rq in readers:
+        rq.put(peers)
+    try:
+        mapped = [q.get(timeout=60) for _ in range(world)]
+        assert all(m[0] == "mapped" for m in mapped), mapped
+        os.unlink(path)  # every rank mapped it: the group keeps working without the file
+        results = {}
+        expect = world - (1 if die_at is not None else 0)
+        for _ in range(expect):
+            kind, rank, info = q.get(timeout=60)
+            results[rank] = (kind, info, time.monotonic())
+        return results
+    finally:
+        for p in procs:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+        if os.path.exists(path):
+            os.unlink(path)
+
+
+def _rank_wait_peers(path, rank, world, steps, die_at, peers_q, q):
+    peers = peers_q.get(timeout=60)
+    _rank(path, rank, world, peers, steps, die_at, q)
+
+
+def test_all_reduce_across_processes_many_rounds():
+    results = _run(3, 300)
+    assert {r: v[0] for r, v in results.items()} == {0: "done", 1: "done", 2: "done"}
+
+
+def test_a_sigkilled_peer_is_seen_at_once_not_at_the_timeout():
+    t0 = time.monotonic()
+    results = _run(2, 10_000, die_at=50)
+    kind, info, _ = results[0]
+    assert kind == "error", results
+    assert "gone" in info[0] or "left" in info[0]
+    assert info[1] - t0 < 15.0 < TIMEOUT_S  # spawn start-up included; the detection is ~10 ms
+
+
+def test_a_peer_that_leaves_wakes_the_waiters():
+    path = shm_group.create_segment(1, _layout().size())
+    try:
+        me = (os.getpid(), shm_group.process_start(os.getpid()))
+        a = ShmGroup(path, 0, _layout(), [me, me], TIMEOUT_S)
+        b = ShmGroup(path, 1, _layout(), [me, me], TIMEOUT_S)
+        b.close()  # rank 1 leaves without taking part in the next collective
+        t0 = time.monotonic()
+        with pytest.raises(ShmCollectiveError, match="left the group"):
+            a.all_reduce_max(torch.zeros(2, dtype=torch.long))
+        assert time.monotonic() - t0 < 1.0
+    finally:
+        os.unlink(path)
+
+
+def test_segment_file_is_private_and_sized():
+    lay = _layout()
+    path = shm_group.create_segment(7, lay.size())
+    try:
+        st = os.stat(path)
+        assert st.st_size == lay.size() and st.st_mode & 0o777 == 0o600
+        with pytest.raises(ElasticError, match="expected"):
+            ShmGroup(path, 0, Layout(2, 32, 8, 2, torch.bfloat16), [(1, 1), (1, 1)], 1.0)
+    finally:
+        os.unlink(path)
+
+
+def test_dead_creators_segments_are_swept():
+    d = shm_group.shm_dir()
+    stale = os.path.join(d, f"planaria-ep-{os.getuid()}-999999999-3-deadbeef")
+    open(stale, "wb").close()
+    path = shm_group.create_segment(3, 4096)
+    try:
+        assert not os.path.exists(stale)
+    finally:
+        os.unlink(path)
+
+
+def test_layout_fits_the_budget_or_declines():
+    lay = Layout.fit(2, 576, 2, torch.bfloat16, 2048, 32 << 20)
+    assert lay is not None and 16 <= lay.capacity <= 2048 and lay.size() <= 32 << 20
+    assert Layout.fit(2, 576, 2, torch.bfloat16, 64, 32 << 20).capacity == 64
+    assert Layout.fit(8, 8192, 8, torch.bfloat16, 2048, 1 << 20) is None
+
+
+def test_cards_are_parsed_as_hostile_and_decide_alike():
+    good = {"node": "n", "pid": 1, "start": 2, "shm": True}
+    assert shm_group.shared_node([good, dict(good, pid=3)])
+    assert not shm_group.shared_node([good])
+    assert not shm_group.shared_node([good, dict(good, node="other")])
+    assert not shm_group.shared_node([good, dict(good, shm=False)])
+    for raw in (b"\xff", b"[1]", b'{"node": 1, "pid": 1, "start": 1}', b"{" * 10):
+        with pytest.raises(ElasticError):
+            shm_group.parse_card(raw)
+
+
+def test_gloo_is_kept_when_asked(monkeypatch):
+    monkeypatch.setenv(shm_group.ENV_TRANSPORT, "gloo")
+    assert not shm_group.wanted()
+    monkeypatch.setenv(shm_group.ENV_TRANSPORT, "auto")
+    assert shm_group.wanted()
