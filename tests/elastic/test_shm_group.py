@@ -29,6 +29,9 @@ def _layout(world: int = 2) -> Layout:
 def _rank(path, rank, world, peers, steps, die_at, q):
     g = ShmGroup(path, rank, _layout(world), peers, TIMEOUT_S)
     q.put(("mapped", rank, None))
+    if die_at is not None:  # the queue's feeder thread dies with the process: flush it now
+        q.close()
+        q.join_thread()
     try:
         for i in range(steps):
             if i == die_at:
