@@ -37,6 +37,7 @@ from planaria.daemon.errors import DaemonError
 
 
 API_KEY_ENV = "PLANARIA_API_KEY"
+ROUTING_POLICIES = ("kv", "least-loaded")  # engine/kv_router.py RoutingPolicy (not imported: engine/ is heavy)
 PRIORITY_KEY_ENV = "PLANARIA_PRIORITY_KEY"  # as the API key: from the environment or env file only
 
 
@@ -54,6 +55,9 @@ class ServeConfig(msgspec.Struct, kw_only=True, frozen=True):
     env_file: str | None = None
     engine_config: dict[str, Any] = {}
     compile: bool = False  # EngineConfig.compile for every engine (engine/compiled.py)
+    # EngineConfig.batch_invariant for every engine: "on", "off" or "auto" (None there;
+    # engine/batch_invariance.py)
+    batch_invariant: str = "auto"
     hang_timeout_s: float = 30.0
     stopped_timeout_s: float = 0.3  # an engine stopped (SIGSTOP/SIGTSTP) this long is killed; 0: off
     # the frontend's event loop silent this long (after its first beat) is killed; 0: off
@@ -121,10 +125,13 @@ class ServeConfig(msgspec.Struct, kw_only=True, frozen=True):
     allow_client_priority: bool = False  # frontend/admission.py
     priority_key: str = ""  # callers presenting it as bearer token may set priority; PLANARIA_PRIORITY_KEY
     tool_call_parser: str = "hermes"  # frontend/tool_parsers.py; "none": tool_choice "auto" is off
+    routing: str = "kv"  # or "least-loaded": how the frontend picks a request's engine (engine/kv_router.py)
 
     def validate(self) -> None:
         if self.parallel not in ("replica", "ep"):
             raise ConfigError(f"--parallel must be 'replica' or 'ep', got {self.parallel!r}")
+        if self.batch_invariant not in ("on", "off", "auto"):
+            raise ConfigError(f"--batch-invariant must be on, off or auto, got {self.batch_invariant!r}")
         if self.num_engines < 1:
             raise ConfigError(f"--engines must be >= 1, got {self.num_engines}")
         if self.max_engines < self.num_engines:
@@ -165,6 +172,8 @@ class ServeConfig(msgspec.Struct, kw_only=True, frozen=True):
             raise ConfigError(f"--max-inflight-requests must be >= 0, got {self.max_inflight_requests}")
         if self.num_standby < 0:
             raise ConfigError(f"--standby must be >= 0, got {self.num_standby}")
+        if self.routing not in ROUTING_POLICIES:
+            raise ConfigError(f"--routing must be one of {', '.join(ROUTING_POLICIES)}, got {self.routing!r}")
         if self.tool_call_parser not in (*BUILTIN_TOOL_CALL_PARSERS, "none"):
             raise ConfigError(f"--tool-call-parser must be one of {', '.join([*BUILTIN_TOOL_CALL_PARSERS, 'none'])}, "
                               f"got {self.tool_call_parser!r}")
@@ -288,6 +297,11 @@ _FLAGS: list[tuple[str, str, Any, str]] = [
     ("--compile", "compile", bool,
      "compile each engine's decode forward with torch.compile at start (tens of seconds the "
      "first time; the code is cached in STATE_DIR/compile-cache for restarts and standbys)"),
+    ("--batch-invariant", "batch_invariant", str,
+     "on: every kernel gives a token the same bits whatever its batch-mates and whether it was "
+     "prefilled or decoded, so a request replays bit for bit (needs the C++ CPU kernels; no "
+     "--compile); off: the fastest kernel per batch size; auto (default): on where its kernels "
+     "are as fast, AVX-512 CPUs without AMX (docs/performance.md, \"Batch invariance\")"),
     ("--hang-timeout-s", "hang_timeout_s", float,
      "kill an engine with work and no step progress this long (default 30)"),
     ("--stopped-timeout-s", "stopped_timeout_s", float,
@@ -393,6 +407,10 @@ _FLAGS: list[tuple[str, str, Any, str]] = [
     ("--tool-call-parser", "tool_call_parser", str,
      "how the frontend reads tool calls out of tool_choice \"auto\" answers: hermes "
      "(<tool_call>{...}</tool_call>), or none to turn \"auto\" off (default hermes)"),
+    ("--routing", "routing", str,
+     "how the frontend picks a request's engine: kv (the engine already holding the longest "
+     "prefix of its prompt in its KV cache, weighed against load; per tenant with cache_salt) "
+     "or least-loaded (default kv; docs/routing.md)"),
 ]
 
 

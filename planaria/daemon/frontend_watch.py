@@ -34,6 +34,7 @@ class _Incarnation:
     last_answer_at: float | None = None
     num_answers: int = 0
     lag_s: float = 0.0  # the frontend's own measure of its loop's latest stall
+    routing: Any = None  # its router's figures, as of its last beat (common.liveness.RoutingSummary)
 
 
 class FrontendWatch:
@@ -62,9 +63,10 @@ class FrontendWatch:
         """The frontend exited or was killed: nothing to judge until the next ``start``."""
         self._current = None
 
-    def answered(self, pid: int, now: float, lag_s: float = 0.0) -> bool:
+    def answered(self, pid: int, now: float, lag_s: float = 0.0, routing: Any = None) -> bool:
         """A beat of ``pid``'s event loop, received at ``now``; False (ignored) when ``pid``
-        is not the current frontend (an older one, or none started)."""
+        is not the current frontend (an older one, or none started). ``routing``: the
+        router's figures the beat carried (kept for ``routing()``)."""
         inc = self._current
         if inc is None or inc.pid != pid:
             return False
@@ -72,7 +74,14 @@ class FrontendWatch:
             inc.last_answer_at = now
         inc.num_answers += 1
         inc.lag_s = float(lag_s)
+        if routing is not None:
+            inc.routing = routing
         return True
+
+    def routing(self) -> dict[str, Any] | None:
+        """The current frontend's router as of its last beat (docs/routing.md), None before."""
+        inc = self._current
+        return None if inc is None or inc.routing is None else inc.routing.to_status()
 
     def deadline(self) -> float | None:
         """When the current frontend becomes hung if it does not answer (None: not judged)."""

@@ -128,8 +128,10 @@ class Launcher:
         the lockstep EP ranks stalled streams for a second or more waiting on each other's
         descheduled threads (bench/scale_cycles.py: the longest stall 1.14 s at rest and
         3.0 s while scaling, 0.28 s and 0.44 s with a core each, 2.5x the requests served)."""
-        compile_ = {"compile": True} if self.config.compile else {}
-        cfg = {"model": self.config.model, **compile_, **self.config.engine_config, **(extra or {})}
+        switches: dict[str, Any] = {"compile": True} if self.config.compile else {}
+        if self.config.batch_invariant != "auto":  # auto: the engine decides (engine/batch_invariance.py)
+            switches["batch_invariant"] = self.config.batch_invariant == "on"
+        cfg = {"model": self.config.model, **switches, **self.config.engine_config, **(extra or {})}
         if "num_threads" not in cfg and not str(cfg.get("device", "cpu")).startswith("cuda"):
             cfg["num_threads"] = max(1, len(os.sched_getaffinity(0)) // max(1, num_engines))
         return cfg
@@ -213,6 +215,7 @@ class Launcher:
                  "--render-timeout-s", f"{cfg.render_timeout_s:g}",
                  "--engine-wait-s", f"{cfg.engine_wait_s:g}",
                  "--tool-call-parser", cfg.tool_call_parser,
+                 "--routing", cfg.routing,
                  "--liveness-address", frontend_liveness_address(cfg),
                  "--liveness-interval-s", f"{cfg.heartbeat_interval_s:g}"]
         if cfg.api_key_protects_metrics:

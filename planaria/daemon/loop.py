@@ -258,7 +258,7 @@ class SupervisorLoop:
                                 claimed_pid=beat.pid, peer=frame.get("Peer-Address"),
                                 num_bad=self.num_bad_heartbeats)
                 continue
-            self.supervisor.on_frontend_beat(pid, beat.lag_s)
+            self.supervisor.on_frontend_beat(pid, beat.lag_s, beat.routing)
 
     def close(self) -> None:
         signal.set_wakeup_fd(-1)

@@ -363,10 +363,11 @@ class Supervisor:
             if beat.step_counter > 0:  # it did work: a death now is not a start-up failure
                 self.policy.record_served(slot.key, now)
 
-    def on_frontend_beat(self, pid: int, lag_s: float = 0.0) -> None:
+    def on_frontend_beat(self, pid: int, lag_s: float = 0.0, routing=None) -> None:
         """The event loop of frontend process ``pid`` answered (the loop checked that the
-        kernel's sender pid is ``pid``); beats of an older frontend are ignored."""
-        self.frontend_watch.answered(pid, self.clock(), lag_s)
+        kernel's sender pid is ``pid``); beats of an older frontend are ignored. ``routing``:
+        its router's figures (common.liveness.RoutingSummary), for status."""
+        self.frontend_watch.answered(pid, self.clock(), lag_s, routing)
 
     # -- timers -------------------------------------------------------------------------
     def tick(self) -> float | None:
@@ -708,6 +709,7 @@ class Supervisor:
                 "scale": None if op is None else {"op_id": op.op_id, "target": op.target,
                                                   "adding": op.adding, "removing": op.removing},
                 "frontend": {**child(self.frontend), **self.frontend_watch.status(now)},
+                "routing": self.frontend_watch.routing(),
                 "engines": engines,
                 "state_dir": self.config.state_dir, "parallel": self.config.parallel, "ep": ep,
                 "standby": self.standby.status(now) if self.standby is not None else None}

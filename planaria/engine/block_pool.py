@@ -4,6 +4,16 @@ chained block hashes. Pure Python (no torch).
 A block is *cached* when it holds a full block of tokens whose chained hash is known;
 a cached block whose ref count drops to zero stays in the cache (and in the free list)
 until it is evicted for reuse, least recently freed first.
+
+A request's ``cache_salt`` (a tenant's secret, vLLM's field) seeds its hash chain
+(``chain_root``): blocks of one salt never match another salt's, nor unsalted ones.
+
+The pool notes every change of its cache (a hash stored, a hash evicted, the whole cache
+reset) for ``take_events``: the engine publishes them once per step, and frontends keep a
+per-engine index of cached prefixes from them to route a request to the engine that holds
+its prefix (engine/prefix_index.py). What is pending is the net change since the last take,
+one entry per hash, so it never holds more than ``max_pending_events`` entries: past that
+the next take is a snapshot (``cleared`` and every cached hash) instead.
 """
 
 from __future__ import annotations
@@ -12,6 +22,7 @@ import hashlib
 import struct
 from collections import OrderedDict
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 # Seed of the hash chain. A constant (not Python's randomized hash) so that block hashes
 # are the same in every process and survive a restart.
@@ -28,18 +39,43 @@ def hash_block_tokens(parent_hash: int, token_ids: Sequence[int], extra: bytes =
     return int.from_bytes(h.digest(), "little")
 
 
-def hash_request_blocks(token_ids: Sequence[int], block_size: int, existing: list[int]) -> list[int]:
-    """Extend ``existing`` (hashes of the first len(existing) blocks) over every full block."""
+def chain_root(cache_salt: str | None) -> int:
+    """The parent hash of a request's first block: NONE_HASH, or one of the salt's own."""
+    if not cache_salt:
+        return NONE_HASH
+    h = hashlib.blake2b(b"planaria-kv-v1\x00salt\x00", digest_size=8)
+    h.update(cache_salt.encode("utf-8", "surrogatepass"))
+    return int.from_bytes(h.digest(), "little")
+
+
+def hash_request_blocks(token_ids: Sequence[int], block_size: int, existing: list[int],
+                        cache_salt: str | None = None) -> list[int]:
+    """Extend ``existing`` (hashes of the first len(existing) blocks) over every full block:
+    linear in the tokens not hashed yet. The engine and the frontend's router both hash
+    with this function, so their hashes agree."""
     num_full_blocks = len(token_ids) // block_size
-    parent = existing[-1] if existing else NONE_HASH
+    if len(existing) >= num_full_blocks:
+        return existing
+    parent = existing[-1] if existing else chain_root(cache_salt)
     for i in range(len(existing), num_full_blocks):
         parent = hash_block_tokens(parent, token_ids[i * block_size:(i + 1) * block_size])
         existing.append(parent)
     return existing
 
 
+@dataclass
+class CacheEvents:
+    """The net change of a pool's cache since the last ``take_events``. ``cleared``: forget
+    every block first (a reset, or a snapshot after the pending changes overflowed)."""
+
+    cleared: bool = False
+    stored: list[int] = field(default_factory=list)
+    removed: list[int] = field(default_factory=list)
+
+
 class BlockPool:
-    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, enable_caching: bool = True,
+                 max_pending_events: int | None = None) -> None:
         if num_blocks <= 0:
             raise ValueError(f"num_blocks must be positive, got {num_blocks}")
         self.num_blocks = num_blocks
@@ -51,6 +87,11 @@ class BlockPool:
         self._cached: dict[int, int] = {}  # block hash -> block id
         self.num_cache_hits_blocks = 0
         self.num_cache_queries_blocks = 0
+        # take_events: block hash -> cached now (True) or evicted (False), the net change
+        # since the last take; past max_pending_events a snapshot is due instead
+        self._pending: dict[int, bool] = {}
+        self._snapshot_due = False
+        self.max_pending_events = max_pending_events or 2 * num_blocks + 64
 
     # -- queries -------------------------------------------------------------------------
     @property
@@ -101,6 +142,7 @@ class BlockPool:
             return
         self.block_hash[block_id] = block_hash
         self._cached[block_hash] = block_id
+        self._note(block_hash, True)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash; only allowed when no block is in use."""
@@ -108,7 +150,44 @@ class BlockPool:
             return False
         self._cached.clear()
         self.block_hash = [None] * self.num_blocks
+        self._pending.clear()
+        self._snapshot_due = True  # an empty snapshot: "cleared"
         return True
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._cached)
+
+    def cached_hashes(self) -> list[int]:
+        """Every cached block hash, oldest cached first."""
+        return list(self._cached)
+
+    def take_events(self, max_items: int | None = None) -> CacheEvents | None:
+        """The cache's net change since the last take (None: no change). Each list holds at
+        most ``max_items`` hashes: more changes than that make a snapshot, which holds the
+        ``max_items`` most recently cached."""
+        if max_items is not None and len(self._pending) > max_items:
+            self._snapshot_due = True
+        if self._snapshot_due:
+            self._snapshot_due = False
+            self._pending.clear()
+            stored = list(self._cached)
+            if max_items is not None and len(stored) > max_items:
+                stored = stored[len(stored) - max_items:]
+            return CacheEvents(cleared=True, stored=stored)
+        if not self._pending:
+            return None
+        pending, self._pending = self._pending, {}
+        return CacheEvents(stored=[h for h, cached in pending.items() if cached],
+                           removed=[h for h, cached in pending.items() if not cached])
+
+    def _note(self, block_hash: int, cached: bool) -> None:
+        if self._snapshot_due:
+            return  # the snapshot will show it
+        self._pending[block_hash] = cached
+        if len(self._pending) > self.max_pending_events:
+            self._pending.clear()
+            self._snapshot_due = True
 
     def _evict(self, block_id: int) -> None:
         h = self.block_hash[block_id]
@@ -116,3 +195,4 @@ class BlockPool:
             self.block_hash[block_id] = None
             if self._cached.get(h) == block_id:
                 del self._cached[h]
+                self._note(h, False)

@@ -14,10 +14,20 @@ send and one queue hand-off per message. Every engine is shown in ``client.engin
 Faults: ENGINE_CORE_DEAD (from the engine, or from any sender on the PULL socket, or
 ``mark_engine_dead`` for the supervisor) makes every in-flight generate on that engine
 raise ``EngineDeadError``; an engine STATUS that dropped its requests raises
-``EngineFaultError`` there. Both mean "replay elsewhere". New requests go to the
-least-loaded running engine; a restarted engine (new HELLO) is accepted again. Requests
-with one ``group_id`` (n > 1 siblings) go to the engine the group's first open one went
-to, while it runs, so they share its prefill (engine/prefix_groups.py).
+``EngineFaultError`` there. Both mean "replay elsewhere". A restarted engine (new HELLO)
+is accepted again. Requests with one ``group_id`` (n > 1 siblings) go to the engine the
+group's first open one went to, while it runs, so they share its prefill
+(engine/prefix_groups.py).
+
+Routing (engine/kv_router.py, ``routing``): with "kv" (the default) a new request goes to
+the running engine that holds the longest prefix of its prompt, weighed against load; with
+"least-loaded" to the least-loaded one. What each engine holds is its ``PrefixIndex``
+(engine/prefix_index.py), fed by the KV events that come with the engine's outputs and
+emptied the moment the engine is reported dead, restarts (a new process has a new, empty
+index), drains or stops (scaled away, left its epoch); events of any other process of that
+engine are ignored. Prompts are hashed as the engines hash them (engine/block_pool.py,
+the block size of the engines' READY, the request's ``cache_salt``). Replays of a dead
+engine's requests are routed the same way.
 """
 
 from __future__ import annotations
@@ -25,7 +35,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
 import time
@@ -39,7 +49,9 @@ from zmq.auth.thread import ThreadAuthenticator
 from planaria.common.sockets import CurveKeySet, bind_private, ipc_addresses, set_curve_server
 from planaria.engine.errors import (EngineDeadError, EngineFaultError, EngineHandshakeError,
                            NoEngineAvailableError, UtilityCallError, WireFormatError)
-from planaria.engine.messages import EngineCoreOutput, EngineCoreRequest, SchedulerStats
+from planaria.engine.kv_router import Route, RouteReason, Router, RouteWeights, RoutingPolicy
+from planaria.engine.messages import EngineCoreOutput, EngineCoreRequest, KVCacheEvents, SchedulerStats
+from planaria.engine.prefix_index import PrefixIndex
 from planaria.engine.wire import (DEFAULT_MAX_MESSAGE_BYTES, FRONTEND_INPUT_TYPES, PROTOCOL_VERSION,
                          AbortRequests, HandshakeInit, HandshakeReject, MsgType, Shutdown,
                          UtilityCall, UtilityErrorCode, WireDecoder, WireEncoder, engine_identity,
@@ -74,6 +86,9 @@ MAX_SUSPECTS = 256  # request ids of one death report kept (a flight record hold
 _REACHABLE = (EngineInfoState.RUNNING, EngineInfoState.PAUSED, EngineInfoState.DRAINING)
 _NO_CALLS = (EngineInfoState.DEAD, EngineInfoState.STOPPED, EngineInfoState.REFUSED, EngineInfoState.CONNECTING)
 _GONE = (EngineInfoState.STOPPED, EngineInfoState.DEAD)
+# an engine in these states keeps no prefix index: it is gone, or takes no new requests
+_NO_INDEX = (EngineInfoState.DEAD, EngineInfoState.STOPPED, EngineInfoState.REFUSED, EngineInfoState.DRAINING)
+DEFAULT_BLOCK_SIZE = 16  # EngineConfig's: until an engine's READY says otherwise
 
 
 @dataclass
@@ -97,6 +112,27 @@ class EngineInfo:
     # (comparable with this process's time.monotonic()); 0.0 when not reported
     fault_monotonic_s: float = 0.0
     ready_at_s: float = 0.0  # time.time() of its last READY
+    block_size: int = 0  # tokens per KV block (READY; 0: not said)
+    # the blocks this incarnation holds in its prefix cache (engine/prefix_index.py),
+    # replaced whole when a new process of the engine says HELLO
+    prefix: PrefixIndex = field(default_factory=PrefixIndex)
+    # routing, over every incarnation: requests sent here; the prompt tokens of those that
+    # answered, and of those the tokens the engine found in its prefix cache (their first
+    # output's num_cached_tokens); requests sent while this client knew it down (never)
+    num_routed: int = 0
+    num_routed_prompt_tokens: int = 0
+    num_routed_cached_tokens: int = 0
+    num_routed_while_down: int = 0
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self.prefix)
+
+    @property
+    def routed_hit_rate(self) -> float:
+        """Fraction of the prompt tokens of requests routed here that were prefix-cache hits."""
+        n = self.num_routed_prompt_tokens
+        return self.num_routed_cached_tokens / n if n else 0.0
 
     @property
     def healthy(self) -> bool:
@@ -109,12 +145,13 @@ class EngineInfo:
 
 
 class _Stream:
-    __slots__ = ("engine_index", "queue", "group_id")
+    __slots__ = ("engine_index", "queue", "group_id", "num_prompt_tokens")
 
-    def __init__(self, engine_index: int, group_id: str | None = None) -> None:
+    def __init__(self, engine_index: int, group_id: str | None = None, num_prompt_tokens: int = 0) -> None:
         self.engine_index = engine_index
         self.queue: asyncio.Queue = asyncio.Queue()
         self.group_id = group_id
+        self.num_prompt_tokens = num_prompt_tokens  # until its first output is counted, then 0
 
 
 class EngineClient:
@@ -122,10 +159,13 @@ class EngineClient:
                  client_index: int = 0, input_address: str | None = None,
                  output_address: str | None = None, engine_config: Any = None,
                  expected_config_hash: str | None = None,
-                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> None:
+                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+                 routing: RoutingPolicy | str = RoutingPolicy.KV,
+                 route_weights: RouteWeights = RouteWeights()) -> None:
         """Addresses: ipc under ``runtime_dir``, else the given ones, else tcp loopback on
         free ports. ``engine_config`` (EngineConfig or dict) is handed to engines started
-        without one. ``expected_config_hash`` None: every engine must match the first."""
+        without one. ``expected_config_hash`` None: every engine must match the first.
+        ``routing``: "kv" or "least-loaded" (engine/kv_router.py)."""
         if runtime_dir is not None:
             input_address, output_address = ipc_addresses(runtime_dir, client_index)
         self.num_engines = num_engines
@@ -134,6 +174,7 @@ class EngineClient:
         self.output_address = output_address or "tcp://127.0.0.1:*"
         self.engine_config = engine_config
         self.expected_config_hash = expected_config_hash
+        self.router = Router(RoutingPolicy(routing), route_weights)
         # on_iteration_details(engine_index, [IterationDetails]): the engines' step records
         self.on_iteration_details: Callable[[int, list], None] | None = None
         self._engines: dict[int, EngineInfo] = {}
@@ -146,7 +187,6 @@ class EngineClient:
         self._groups: dict[str, list[int]] = {}  # group_id -> [engine index, open streams]
         self._calls: dict[int, tuple[int, asyncio.Future]] = {}
         self._call_ids = itertools.count(1)
-        self._rr = itertools.count()
         self._waiters: list[asyncio.Future] = []
         self._enc = WireEncoder(reuse_buffer=False)
         self._dec = WireDecoder(FRONTEND_INPUT_TYPES, max_message_bytes=max_message_bytes)
@@ -309,12 +349,17 @@ class EngineClient:
         group = request.group_id
         while True:
             index = self._group_engine(group, tried)
-            if index is None:
-                index = self._pick_engine(tried)
+            if index is not None:
+                route = Route(index, RouteReason.GROUP)
+            else:
+                route = self._route(request, tried, route.hashes if tried else None)
+                index = route.index
             tried.add(index)
             if self._send(index, MsgType.ADD, request):
-                stream = self._streams[rid] = _Stream(index, group)
-                self._engines[index].num_in_flight += 1
+                stream = self._streams[rid] = _Stream(index, group, len(request.prompt_token_ids))
+                info = self._engines[index]
+                info.num_in_flight += 1
+                self._count_route(info, route)
                 if group is not None:
                     entry = self._groups.get(group)
                     if entry is None or entry[0] != index:  # the first, or its engine failed
@@ -336,14 +381,40 @@ class EngineClient:
             if entry[1] <= 0:
                 del self._groups[stream.group_id]
 
-    def _pick_engine(self, exclude: set[int]) -> int:
-        candidates = [e for e in self._engines.values() if e.healthy and e.index not in exclude]
-        if not candidates:
+    def _running(self, exclude: set[int]) -> list[EngineInfo]:
+        return [e for e in self._engines.values() if e.healthy and e.index not in exclude]
+
+    def _block_size(self) -> int:
+        sizes = [e.block_size for e in self._engines.values() if e.healthy and e.block_size > 0]
+        if sizes:
+            return sizes[0]  # every engine's (the config hash covers it)
+        configured = self.engine_config.get("block_size") if isinstance(self.engine_config, dict) else \
+            getattr(self.engine_config, "block_size", None)
+        return configured if isinstance(configured, int) and configured > 0 else DEFAULT_BLOCK_SIZE
+
+    def _route(self, request: EngineCoreRequest, exclude: set[int], hashes: list[int] | None) -> Route:
+        """Where ``request`` goes (engine/kv_router.py); ``hashes``: its prompt's block
+        hashes when already computed (they are, once, when a choice is to be made)."""
+        running = self._running(exclude)
+        if not running:
             states = ", ".join(f"{e.index}={e.state}" for e in self.engines) or "none connected"
             raise NoEngineAvailableError(f"no running engine can take the request ({states})")
-        turn = next(self._rr)
-        n = len(candidates)
-        return min(enumerate(candidates), key=lambda ie: (ie[1].load, (ie[0] - turn) % n))[1].index
+        return self.router.route(running, request, hashes, self._block_size())
+
+    def _count_route(self, info: EngineInfo, route: Route) -> None:
+        self.router.count(route)
+        info.num_routed += 1
+        if info.died_at_s > info.ready_at_s or not info.healthy:
+            info.num_routed_while_down += 1  # a check for the bench: cannot happen (_running)
+
+    def routing_status(self) -> dict[str, Any]:
+        """Per engine: blocks in its prefix index, requests routed, their hit rate; the
+        decisions by reason (``planaria status``, /metrics)."""
+        return self.router.status(self.engines)
+
+    def _drop_index(self, info: EngineInfo) -> None:
+        """The engine's cache is gone or takes no more requests: forget it at once."""
+        info.prefix.clear()
 
     def _send(self, index: int, msg_type: bytes, msg: Any) -> bool:
         """Send to one engine now. False (and the engine marked unreachable) when it is
@@ -418,6 +489,7 @@ class EngineClient:
                                                 or fault_monotonic_s < info.fault_monotonic_s):
             info.fault_monotonic_s = fault_monotonic_s
         self._set_state(info, EngineInfoState.DEAD, reason)
+        self._drop_index(info)
         self._fail_engine(engine_index, EngineDeadError, reason)
 
     def _fail_engine(self, index: int, error_type: type, reason: str) -> None:
@@ -492,6 +564,7 @@ class EngineClient:
                 self._fail_engine(index, EngineDeadError, f"engine restarted (pid {info.pid} -> {hello.pid})")
             info.pid = hello.pid
             info.stats = None
+            info.prefix = PrefixIndex()  # a new process: an empty cache
             self._set_state(info, EngineInfoState.CONNECTING)
         settings: dict[str, Any] = {"client_index": self.client_index}
         if self.engine_config is not None:
@@ -516,6 +589,8 @@ class EngineClient:
         info.num_kv_blocks, info.max_model_len = ready.num_kv_blocks, ready.max_model_len
         info.config_hash, info.kv_cache_bytes = ready.config_hash, ready.kv_cache_bytes
         info.kv_source = ready.kv_source
+        info.block_size = ready.block_size if isinstance(ready.block_size, int) and 0 < ready.block_size <= 2**16 else 0
+        info.prefix.limit(ready.num_kv_blocks)
         info.num_handshakes += 1
         info.ready_at_s = time.time()
         self._set_state(info, EngineInfoState.RUNNING)
@@ -560,11 +635,24 @@ class EngineClient:
             info.stats = outs.scheduler_stats
         if outs.iteration_details and self.on_iteration_details is not None:
             self.on_iteration_details(outs.engine_index, outs.iteration_details)
+        if outs.kv_events is not None and info is not None:
+            self._on_kv_events(info, outs.kv_events)
         streams = self._streams
         for out in outs.outputs:
             stream = streams.get(out.request_id)
             if stream is not None:
+                if stream.num_prompt_tokens and info is not None and stream.engine_index == info.index \
+                        and out.finish_reason != "error":
+                    info.num_routed_prompt_tokens += stream.num_prompt_tokens
+                    info.num_routed_cached_tokens += min(max(0, out.num_cached_tokens), stream.num_prompt_tokens)
+                    stream.num_prompt_tokens = 0  # counted once, at its first output
                 stream.queue.put_nowait(out)
+
+    def _on_kv_events(self, info: EngineInfo, events: KVCacheEvents) -> None:
+        """Into the engine's prefix index, when they are its current process's and it keeps one."""
+        if info.state in _NO_INDEX or (events.pid and info.pid is not None and events.pid != info.pid):
+            return
+        info.prefix.apply(events)
 
     def _on_status(self, status) -> None:
         info = self._engines.get(status.engine_index)
@@ -578,6 +666,8 @@ class EngineClient:
             log.warning("engine %d: STATUS with an unknown state %r", status.engine_index, status.state)
             return
         self._set_state(info, state, status.reason)
+        if state in _NO_INDEX or status.requests_dropped:
+            self._drop_index(info)
         if status.requests_dropped or state in _GONE:
             error_type = EngineDeadError if state in _GONE else EngineFaultError
             self._fail_engine(status.engine_index, error_type, status.reason or status.state)

@@ -20,7 +20,8 @@ from planaria.engine.errors import (EngineError, InvalidRequestError, KVCacheToo
 from planaria.engine.fault_injection import FaultInjectingRunner, StepRunner
 from planaria.engine.iteration_details import IterationRecorder, scheduler_dump
 from planaria.engine.kv_cache_manager import KVCacheManager
-from planaria.engine.messages import EngineCoreOutput, EngineCoreRequest, OutputErrorCode, SchedulerStats
+from planaria.engine.messages import (MAX_CACHE_SALT_CHARS, MAX_KV_EVENT_HASHES, EngineCoreOutput,
+                                     EngineCoreRequest, KVCacheEvents, OutputErrorCode, SchedulerStats)
 from planaria.engine.model_runner import ModelRunner
 from planaria.engine.models.loader import load_hf_config, model_fingerprint, sliding_window_limit
 from planaria.engine.request import FINISH_REASONS, Request, RequestStatus
@@ -71,6 +72,8 @@ class EngineCore:
         self.vocab_size = self.runner.spec.vocab_size
         choice = self.runner.dtype_choice
         self.dtype_text = f"{choice.name} ({choice.reason})"
+        if self.runner.invariance.on:  # engine/batch_invariance.py
+            self.dtype_text += f"; batch-invariant ({self.runner.invariance.reason})"
         self.model_fingerprint = model_fingerprint(config.model)
         self.weight_version = self.model_fingerprint
         self._weight_update = None  # engine.weight_update.WeightLoad: reading, or waiting for its step boundary
@@ -163,8 +166,11 @@ class EngineCore:
         group = ecr.group_id
         if group is not None and (not isinstance(group, str) or not 0 < len(group) <= 256):
             raise InvalidRequestError("group_id must be a string of 1 to 256 characters")
-        req = Request(rid, ids, params, ecr.eos_token_id, max_tokens,
-                      arrival_time=ecr.arrival_time or None, priority=ecr.priority, group_id=group)
+        salt = ecr.cache_salt
+        if salt is not None and (not isinstance(salt, str) or not 0 < len(salt) <= MAX_CACHE_SALT_CHARS):
+            raise InvalidRequestError(f"cache_salt must be a string of 1 to {MAX_CACHE_SALT_CHARS} characters")
+        req = Request(rid, ids, params, ecr.eos_token_id, max_tokens, arrival_time=ecr.arrival_time or None,
+                      priority=ecr.priority, group_id=group, cache_salt=salt)
         prior = ecr.num_prior_output_tokens
         if prior:
             if not isinstance(prior, int) or isinstance(prior, bool) or not 0 < prior < len(ids):
@@ -409,6 +415,14 @@ class EngineCore:
             req.error = verdict
             req.extra[_ERROR_CODE_KEY] = (OutputErrorCode.INVALID_REQUEST if req.structured.dead_end
                                           else OutputErrorCode.INTERNAL)
+
+    def take_kv_events(self) -> KVCacheEvents | None:
+        """The prefix cache's changes since the last call, or None (engine/block_pool.py);
+        ``seq`` and ``pid`` are the engine process's to fill."""
+        events = self.kv.take_events(MAX_KV_EVENT_HASHES)
+        if events is None:
+            return None
+        return KVCacheEvents(seq=0, cleared=events.cleared, stored=events.stored, removed=events.removed)
 
     def take_iteration_details(self) -> list | None:
         """The steps recorded since the last call (EngineConfig.iteration_details), or None."""

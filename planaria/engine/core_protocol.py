@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Callable, Protocol
 
-from planaria.engine.messages import EngineCoreOutput, EngineCoreRequest, SchedulerStats
+from planaria.engine.messages import EngineCoreOutput, EngineCoreRequest, KVCacheEvents, SchedulerStats
 
 
 class EngineCoreProtocol(Protocol):
@@ -81,6 +81,11 @@ class EngineCoreProtocol(Protocol):
 
     def take_iteration_details(self) -> list | None:
         """The step records since the last call (EngineConfig.iteration_details), or None."""
+        ...
+
+    def take_kv_events(self) -> KVCacheEvents | None:
+        """The prefix cache's changes since the last call (stored and evicted block
+        hashes), or None; the engine process numbers them and sends them to every frontend."""
         ...
 
     def reset_prefix_cache(self) -> bool:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from planaria.engine.block_pool import BlockPool, hash_request_blocks
+from planaria.engine.block_pool import BlockPool, CacheEvents, hash_request_blocks
 from planaria.engine.request import Request
 
 
@@ -40,7 +40,7 @@ class KVCacheManager:
         blocks are still offered to later requests."""
         if not self.enable_caching or req.wants_prompt_logprobs:
             return [], 0
-        hashes = hash_request_blocks(req.all_token_ids, self.block_size, req.block_hashes)
+        hashes = hash_request_blocks(req.all_token_ids, self.block_size, req.block_hashes, req.cache_salt)
         max_blocks = (req.num_tokens - 1) // self.block_size
         hits: list[int] = []
         for h in hashes[:max_blocks]:
@@ -107,7 +107,7 @@ class KVCacheManager:
         start = self._num_cached_blocks.get(req.request_id, 0)
         if num_full <= start:
             return
-        hashes = hash_request_blocks(req.all_token_ids, self.block_size, req.block_hashes)
+        hashes = hash_request_blocks(req.all_token_ids, self.block_size, req.block_hashes, req.cache_salt)
         blocks = self.req_to_blocks[req.request_id]
         for i in range(start, num_full):
             self.pool.cache_block(blocks[i], hashes[i])
@@ -147,6 +147,10 @@ class KVCacheManager:
 
     def reset_prefix_cache(self) -> bool:
         return self.pool.reset_prefix_cache()
+
+    def take_events(self, max_items: int | None = None) -> CacheEvents | None:
+        """The prefix cache's net change since the last call (BlockPool.take_events)."""
+        return self.pool.take_events(max_items) if self.enable_caching else None
 
     @property
     def prefix_cache_hit_rate(self) -> float:

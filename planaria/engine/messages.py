@@ -8,6 +8,7 @@ handshake/utility messages.
 from __future__ import annotations
 
 import enum
+from typing import Annotated
 
 import msgspec
 
@@ -35,6 +36,32 @@ class EngineCoreRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
     # holds a sibling back until the first one's prompt is computed, so the others take its
     # prompt's KV blocks from the prefix cache instead of prefilling again (engine/scheduler.py).
     group_id: str | None = None
+    # A tenant's secret (vLLM's field, 1 to MAX_CACHE_SALT_CHARS characters): it seeds the
+    # request's block hash chain, so its prefix-cache blocks are never shared with another
+    # salt's (engine/block_pool.py chain_root); the frontend's router hashes with it too.
+    cache_salt: str | None = None
+
+
+MAX_CACHE_SALT_CHARS = 256
+# A batch of KV cache events holds at most this many hashes per list; an engine cuts its
+# snapshot to it, and a frontend refuses a longer one (msgspec, at decode).
+MAX_KV_EVENT_HASHES = 1 << 18
+BlockHash = Annotated[int, msgspec.Meta(ge=0)]  # msgpack has no int past 2**64 - 1
+
+
+class KVCacheEvents(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """How an engine's prefix cache changed since its previous batch, sent once per step
+    (with the step's outputs, to every frontend) when it changed. Block hashes are
+    engine/block_pool.py's chained hashes. ``seq`` counts the batches of this engine
+    process (``pid``) from 1: a frontend that sees a gap forgets what it knew of the
+    engine. ``cleared``: forget every block of the engine first (a prefix-cache reset,
+    or the engine's pending changes overflowed and ``stored`` is a snapshot)."""
+
+    seq: int
+    pid: int = 0
+    cleared: bool = False
+    stored: Annotated[list[BlockHash], msgspec.Meta(max_length=MAX_KV_EVENT_HASHES)] = []
+    removed: Annotated[list[BlockHash], msgspec.Meta(max_length=MAX_KV_EVENT_HASHES)] = []
 
 
 class Logprobs(msgspec.Struct, array_like=True):
@@ -101,6 +128,7 @@ class EngineCoreOutputs(msgspec.Struct, kw_only=True, omit_defaults=True):
     scheduler_stats: SchedulerStats | None = None
     timestamp: float = 0.0
     iteration_details: list[IterationDetails] | None = None  # EngineConfig.iteration_details
+    kv_events: KVCacheEvents | None = None  # the prefix cache's changes in this step
 
 
 class IterationDetails(msgspec.Struct, kw_only=True, omit_defaults=True):

@@ -110,6 +110,7 @@ class EngineCoreProc:
         self._req_slot: dict[str, int] = {}  # in-flight request id -> frontend slot
         self._last_stats = None
         self._last_stats_sent = 0.0
+        self._kv_events_seq = 0  # KVCacheEvents batches sent (each to every frontend)
         self._fault_injection = envs.get().fault_injection  # read once, at process start
         self._links: list[FrontendLink] = []
 
@@ -209,7 +210,8 @@ class EngineCoreProc:
         return Ready(engine_index=self.engine_index, num_kv_blocks=core.num_kv_blocks,
                      max_model_len=core.max_model_len, protocol_version=PROTOCOL_VERSION,
                      config_hash=core.config_hash(), kv_cache_bytes=core.kv_cache_bytes,
-                     kv_source=core.kv_source, pid=os.getpid(), vocab_size=core.vocab_size)
+                     kv_source=core.kv_source, pid=os.getpid(), vocab_size=core.vocab_size,
+                     block_size=core.config.block_size)
 
     def _heartbeat(self):
         """For the supervisor (heartbeat thread): read without locks, never blocks."""
@@ -271,6 +273,7 @@ class EngineCoreProc:
                 self.core.abort_requests(ids)
         elif msg_type == MsgType.UTILITY:
             self.output_queue.put((slot, MsgType.UTILITY_RESULT, self._utility(msg)))
+            self._publish_kv_events()
         elif msg_type == MsgType.SHUTDOWN:
             self._carry_out(self.lifecycle.on_shutdown(msg.drain_timeout_s, "SHUTDOWN message", time.monotonic()))
         elif msg_type == MsgType.HANDSHAKE_REJECT:
@@ -341,25 +344,45 @@ class EngineCoreProc:
         counts_changed = self._last_stats is None or (stats.num_running, stats.num_waiting) != (
             self._last_stats.num_running, self._last_stats.num_waiting)
         now = time.monotonic()
+        kv_events = self._take_kv_events()  # every frontend gets them: each routes by its own index
         for slot, outs in by_slot.items():
-            self._send_outputs(slot, outs, stats if changed else None)
-        if changed and (counts_changed or now - self._last_stats_sent >= self.settings.stats_interval_s):
+            self._send_outputs(slot, outs, stats if changed else None, kv_events)
+        send_stats = changed and (counts_changed or now - self._last_stats_sent >= self.settings.stats_interval_s)
+        if send_stats or kv_events is not None:
             for link in self._links:
                 if link.slot not in by_slot:
-                    self._send_outputs(link.slot, [], stats)
+                    self._send_outputs(link.slot, [], stats if send_stats else None, kv_events)
         if changed and (by_slot or counts_changed or now - self._last_stats_sent >= self.settings.stats_interval_s):
             self._last_stats = stats
             self._last_stats_sent = now
 
-    def _send_outputs(self, slot: int, outputs: list[EngineCoreOutput], stats=None) -> None:
+    def _send_outputs(self, slot: int, outputs: list[EngineCoreOutput], stats=None, kv_events=None) -> None:
         """One message, or several when the outputs are big (wire.split_outputs: a request's
         long prompt logprobs never push a message past the frontend's limit, where it would
-        be dropped with every other request's tokens in it); the stats go with the last."""
+        be dropped with every other request's tokens in it); the stats and the prefix
+        cache's changes go with the last."""
         runs = split_outputs(outputs)
         for i, run in enumerate(runs):
+            last = i == len(runs) - 1
             self.output_queue.put((slot, MsgType.OUTPUTS, EngineCoreOutputs(
-                engine_index=self.engine_index, outputs=run, scheduler_stats=stats if i == len(runs) - 1 else None,
-                timestamp=time.time())))
+                engine_index=self.engine_index, outputs=run, scheduler_stats=stats if last else None,
+                timestamp=time.time(), kv_events=kv_events if last else None)))
+
+    def _take_kv_events(self):
+        """The core's prefix-cache changes since the last batch, numbered (KVCacheEvents.seq)."""
+        events = self.core.take_kv_events()
+        if events is None:
+            return None
+        self._kv_events_seq += 1
+        events.seq, events.pid = self._kv_events_seq, os.getpid()
+        return events
+
+    def _publish_kv_events(self) -> None:
+        """Outside a step (a utility call reset the prefix cache): the changes now."""
+        kv_events = self._take_kv_events()
+        if kv_events is not None:
+            for link in self._links:
+                self._send_outputs(link.slot, [], None, kv_events)
 
     # -- carrying out the lifecycle's actions (engine/lifecycle.py) ----------------------------
     def _carry_out(self, actions: list[Action]) -> None:

@@ -47,7 +47,7 @@ class Request:
         "arrival_time", "priority", "status", "output_token_ids", "all_token_ids",
         "num_computed_tokens", "num_cached_tokens", "block_hashes", "max_tokens",
         "stop_reason", "error", "num_preemptions", "in_flight", "lora", "extra",
-        "output_logprobs", "structured", "prompt_logprobs", "group_id",
+        "output_logprobs", "structured", "prompt_logprobs", "group_id", "cache_salt",
     )
 
     def __init__(
@@ -60,6 +60,7 @@ class Request:
         arrival_time: float | None = None,
         priority: int = 0,
         group_id: str | None = None,
+        cache_salt: str | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
@@ -86,6 +87,9 @@ class Request:
         self.extra: dict = {}
         self.lora = None
         self.group_id = group_id  # n > 1: siblings share the prompt's KV (engine/scheduler.py)
+        # a tenant's secret: seeds the request's block hash chain (engine/block_pool.py), so
+        # its blocks never match another salt's in the prefix cache
+        self.cache_salt = cache_salt
 
     @property
     def num_tokens(self) -> int:

@@ -15,6 +15,7 @@ Channels (who sends what, on which socket)::
     frontend ROUTER -> engine DEALER   HANDSHAKE_INIT HANDSHAKE_REJECT ADD ABORT UTILITY SHUTDOWN
     engine DEALER   -> frontend ROUTER HELLO READY
     engine PUSH     -> frontend PULL   OUTPUTS UTILITY_RESULT STATUS ERROR ENGINE_CORE_DEAD
+                                       (OUTPUTS also carry the prefix cache's changes, kv_events)
     supervisor PUSH -> frontend PULL   ENGINE_CORE_DEAD (for an engine that could not send it)
 
 Handshake: the engine connects its DEALER (identity = ``engine_identity(index)``) and sends
@@ -105,6 +106,7 @@ class Ready(msgspec.Struct, kw_only=True):
     kv_source: str
     pid: int = 0
     vocab_size: int = 0
+    block_size: int = 0  # tokens per KV block: the frontend's router hashes prompts by it (0: not said)
 
 
 # ---- requests, control -------------------------------------------------------------------

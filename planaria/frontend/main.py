@@ -20,7 +20,9 @@ engines], ``--request-timeout-s`` [600], ``--engine-wait-s`` [30], ``--render-ti
 ``tool_choice: "auto"`` answers (frontend/tool_parsers.py). ``--api-key`` (better: the
 environment variable ``PLANARIA_API_KEY``, which ``planaria serve`` uses, so the key is not in ``ps``) makes
 every /v1/* route need ``Authorization: Bearer <key>``; ``--api-key-protects-metrics``
-extends that to /metrics and /ready. /health is always open.
+extends that to /metrics and /ready. /health is always open. ``--routing`` [kv] picks how
+a request finds its engine: the one holding the longest cached prefix of its prompt
+(weighed against load), or ``least-loaded`` (engine/kv_router.py, docs/routing.md).
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from aiohttp import web
 from planaria.common.logging import configure_child
 from planaria.engine.client import EngineClient
 from planaria.engine.config import EngineConfig
+from planaria.engine.kv_router import RoutingPolicy
 from planaria.frontend import liveness
 from planaria.frontend.admin import AdminSocket, EngineAdmin
 from planaria.frontend.http_guard import CappedTCPSite
@@ -126,6 +129,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tool-call-parser", default=DEFAULT_TOOL_CALL_PARSER, choices=[*TOOL_CALL_PARSERS, "none"],
                    help=f"how tool calls are read from tool_choice \"auto\" answers; none: \"auto\" is off "
                         f"(default {DEFAULT_TOOL_CALL_PARSER})")
+    p.add_argument("--routing", default=RoutingPolicy.KV.value, choices=[r.value for r in RoutingPolicy],
+                   help="how a request picks its engine: kv (the engine holding the longest cached prefix of "
+                        "its prompt, weighed against load) or least-loaded (default kv; docs/routing.md)")
     p.add_argument("--liveness-address", default=None,
                    help="ZMQ address the event loop sends its liveness beats to (the supervisor's; "
                         "frontend/liveness.py)")
@@ -180,7 +186,7 @@ async def serve(args: argparse.Namespace) -> int:
     if args.max_model_len and "max_model_len" not in engine_config:
         engine_config["max_model_len"] = args.max_model_len
     client = EngineClient(args.engines, args.runtime_dir, client_index=args.client_index,
-                          engine_config=engine_config)
+                          engine_config=engine_config, routing=args.routing)
     limits = server_limits(args)
     server = create_server(client, args.model, args.served_model_name, args.max_model_len, args.max_logprobs,
                            limits, tool_call_parser=None if args.tool_call_parser == "none" else args.tool_call_parser)
@@ -202,7 +208,8 @@ async def serve(args: argparse.Namespace) -> int:
           file=sys.stderr, flush=True)
 
     # from here on the loop runs: its beats tell the supervisor it answers (a frozen loop stops them)
-    liveness_tasks = liveness.start(args.liveness_address, args.liveness_interval_s)  # noqa: F841 - held
+    liveness_tasks = liveness.start(args.liveness_address, args.liveness_interval_s,  # noqa: F841 - held
+                                    routing=lambda: liveness.routing_summary(client))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -9,7 +9,14 @@ through ``IterationMetrics``; the process and GC collectors add ``process_*`` an
 entering "dead", or coming back with a new pid, died once. Replays (frontend/journal.py): a
 counter, the replay latency (the loss notice to the replayed request's first token), and
 wall-clock timestamps of the last death notice, READY, replay start and replay first token,
-so a benchmark can line them up with a kill's time. docs/metrics.md lists every metric.
+so a benchmark can line them up with a kill's time. Routing (engine/kv_router.py): the
+decisions by reason, and per engine the blocks of its prefix index and the prefix-cache hit
+rate of the requests routed there. docs/metrics.md lists every metric.
+
+What tells how much of a prompt an engine had cached (per-engine prefill counters, hit
+rates, index sizes, routing reasons, the engines' scheduled tokens: ``CACHE_FAMILIES``) is
+left out of a scrape that lacks the API key when one is set (``render(cache_figures=False)``):
+watching them while sending a probe would tell whether another tenant sent that prompt.
 """
 
 from __future__ import annotations
@@ -19,7 +26,7 @@ from typing import Callable, Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, GCCollector, Histogram, ProcessCollector
 from prometheus_client.exposition import generate_latest
-from prometheus_client.metrics_core import GaugeMetricFamily, Metric
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from planaria.frontend.iteration_metrics import IterationMetrics
@@ -30,7 +37,7 @@ ITL_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.0
                  0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
 
 # name, help, the figure of one engine (EngineInfo in engine/client.py). The test fakes of
-# EngineInfo carry no death or READY times, hence the getattr defaults on those two.
+# EngineInfo carry no death or READY times nor routing figures, hence the getattr defaults there.
 _ENGINE_GAUGES: tuple[tuple[str, str, Callable[[object], float]], ...] = (
     ("planaria_num_requests_running", "Requests running in the engine.",
      lambda e: e.stats.num_running if e.stats else 0),
@@ -47,7 +54,18 @@ _ENGINE_GAUGES: tuple[tuple[str, str, Callable[[object], float]], ...] = (
      lambda e: getattr(e, "died_at_s", 0.0)),
     ("planaria_engine_last_ready_timestamp_seconds", "Wall time of the engine's last READY.",
      lambda e: getattr(e, "ready_at_s", 0.0)),
+    ("planaria_engine_cached_blocks", "KV blocks this frontend's prefix index holds for the engine "
+     "(from the engine's KV events; emptied when it dies, restarts, drains or leaves).",
+     lambda e: getattr(e, "num_cached_blocks", 0)),
+    ("planaria_routed_prefix_hit_rate", "Fraction of the prompt tokens of requests this frontend routed to "
+     "the engine that were prefix-cache hits there.", lambda e: getattr(e, "routed_hit_rate", 0.0)),
 )
+_ROUTING = ("planaria_routing_decisions", "Requests routed to an engine, by the router's reason "
+            "(prefix, balance, no_prefix, least_loaded, group).")
+# families that tell how much of a prompt an engine had cached: only for a scrape with the key
+CACHE_FAMILIES = frozenset({"planaria_engine_prefill_tokens", "planaria_prefix_cache_hit_rate",
+                            "planaria_engine_cached_blocks", "planaria_routed_prefix_hit_rate",
+                            _ROUTING[0], "planaria_engine_scheduled_tokens"})
 _IN_FLIGHT = ("planaria_http_requests_in_flight", "Generation requests this frontend is serving.")
 _MAX_IN_FLIGHT = ("planaria_http_max_requests_in_flight",
                   "The bound beyond which requests get 429 (--max-inflight-requests).")
@@ -65,10 +83,13 @@ class ScrapeCollector(Collector):
         self._engines: tuple = ()
         self._num_in_flight = 0
         self._max_in_flight: int | None = None
+        self._routing: dict[str, int] = {}
 
-    def view(self, engines: Iterable, num_in_flight: int, max_in_flight: int | None) -> None:
+    def view(self, engines: Iterable, num_in_flight: int, max_in_flight: int | None,
+             routing_decisions: dict[str, int] | None = None) -> None:
         self._engines = tuple(engines)
         self._num_in_flight, self._max_in_flight = num_in_flight, max_in_flight
+        self._routing = dict(routing_decisions or {})
 
     def describe(self) -> Iterable[Metric]:
         """The families (without samples), so the registry refuses a clashing name."""
@@ -76,6 +97,7 @@ class ScrapeCollector(Collector):
             yield GaugeMetricFamily(name, help_, labels=["engine"])
         for name, help_ in (_IN_FLIGHT, _MAX_IN_FLIGHT):
             yield GaugeMetricFamily(name, help_)
+        yield CounterMetricFamily(*_ROUTING, labels=["reason"])
 
     def collect(self) -> Iterable[Metric]:
         for name, help_, get in _ENGINE_GAUGES:
@@ -86,6 +108,20 @@ class ScrapeCollector(Collector):
         yield GaugeMetricFamily(*_IN_FLIGHT, value=self._num_in_flight)
         if self._max_in_flight is not None:
             yield GaugeMetricFamily(*_MAX_IN_FLIGHT, value=self._max_in_flight)
+        routing = CounterMetricFamily(*_ROUTING, labels=["reason"])
+        for reason, count in sorted(self._routing.items()):
+            routing.add_metric([reason], count)
+        yield routing
+
+
+class _WithoutCacheFigures:
+    """A registry's view without CACHE_FAMILIES, for generate_latest."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self._registry = registry
+
+    def collect(self) -> Iterable[Metric]:
+        return (m for m in self._registry.collect() if m.name not in CACHE_FAMILIES)
 
 
 class FrontendMetrics:
@@ -161,11 +197,13 @@ class FrontendMetrics:
             self._seen[e.index] = (e.pid, e.state)
 
     # -- exposition ------------------------------------------------------------------------
-    def render(self, engines=(), num_in_flight: int = 0, max_in_flight: int | None = None) -> str:
+    def render(self, engines=(), num_in_flight: int = 0, max_in_flight: int | None = None,
+               routing_decisions: dict[str, int] | None = None, cache_figures: bool = True) -> str:
         """The text exposition (format 0.0.4) of this frontend's registry; ``engines`` is
-        the client's engine list, read once here."""
+        the client's engine list, read once here; ``cache_figures`` False leaves out
+        CACHE_FAMILIES (a scrape without the API key, when one is set)."""
         engines = tuple(engines)
         self.observe_engines(engines)
-        self._scrape.view(engines, num_in_flight, max_in_flight)
-        text = generate_latest(self.registry).decode()
+        self._scrape.view(engines, num_in_flight, max_in_flight, routing_decisions)
+        text = generate_latest(self.registry if cache_figures else _WithoutCacheFigures(self.registry)).decode()
         return _INTEGRAL_SAMPLE.sub(r"\1", text)

@@ -16,6 +16,7 @@ from typing import Annotated, Any
 
 import msgspec
 
+from planaria.engine.messages import MAX_CACHE_SALT_CHARS
 from planaria.frontend.errors import RequestError
 from planaria.frontend.limits import INT64_MAX, INT64_MIN, MAX_REQUEST_ID_CHARS, REQUEST_ID_PATTERN
 
@@ -24,6 +25,9 @@ from planaria.frontend.limits import INT64_MAX, INT64_MIN, MAX_REQUEST_ID_CHARS,
 Int = Annotated[int, msgspec.Meta(ge=INT64_MIN, le=INT64_MAX)]
 # echoed in the X-Request-Id header and every chunk: visible ASCII, bounded (limits.py)
 RequestId = Annotated[str, msgspec.Meta(max_length=MAX_REQUEST_ID_CHARS, pattern=REQUEST_ID_PATTERN)]
+# a tenant's secret for the prefix cache (vLLM's field): requests with different salts never
+# share KV blocks, in an engine or in routing (docs/routing.md)
+CacheSalt = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_CACHE_SALT_CHARS)]
 
 
 class StreamOptions(msgspec.Struct, kw_only=True):
@@ -67,6 +71,7 @@ class _CommonRequest(msgspec.Struct, kw_only=True):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     request_id: RequestId | None = None
+    cache_salt: CacheSalt | None = None
 
 
 class CompletionRequest(_CommonRequest, kw_only=True):

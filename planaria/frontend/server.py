@@ -6,7 +6,7 @@
     GET  /v1/models   (with the engines' weight_version / weight_versions)
     GET  /health    200 while the process runs (liveness)
     GET  /ready     200 when at least one engine is running and we are not draining, else 503
-    GET  /metrics   Prometheus text
+    GET  /metrics   Prometheus text (with an API key set, the cache figures only for its holders)
 
 Guards, in the order a request meets them: the connection caps, in all and per client
 address, and the request head's timeout (``http_guard.CappedTCPSite``, main.py), the API
@@ -203,8 +203,13 @@ class FrontendServer:
         return web.json_response(R.model_list(m.name, self.created, self.serving.max_model_len, m.path, versions))
 
     async def metrics_text(self, request: web.Request) -> web.Response:
+        """Without the API key (when one is set and /metrics is open), nothing that tells how
+        much of a prompt an engine had cached (metrics.CACHE_FAMILIES)."""
+        key = self.limits.api_key
         text = self.metrics.render(self.client.engines, self.num_in_flight,
-                                   max_in_flight=self.limits.max_inflight_requests)
+                                   max_in_flight=self.limits.max_inflight_requests,
+                                   routing_decisions=self.client.routing_status()["decisions"],
+                                   cache_figures=not key or bearer_matches(request, key))
         return web.Response(text=text, content_type="text/plain", charset="utf-8",
                             headers={"X-Prometheus-Format": "0.0.4"})
 

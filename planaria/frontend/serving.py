@@ -129,7 +129,7 @@ class OpenAIServing:
                     request_id=f"{base_id}-{i * best_of + j}", prompt_token_ids=p.token_ids,
                     sampling_params=sp, eos_token_id=self.model.eos_token_id, arrival_time=arrival,
                     priority=req.priority or 0, structured_output=so,
-                    group_id=f"{base_id}-{i}" if best_of > 1 else None))
+                    group_id=f"{base_id}-{i}" if best_of > 1 else None, cache_salt=req.cache_salt))
         return out
 
     # -- endpoints ------------------------------------------------------------------------

@@ -98,3 +98,19 @@ def test_engines_share_the_nodes_cores_unless_told_otherwise(tmp_path, monkeypat
     assert threads(mine.engine(0, num_engines=4)) == 5
     gpu = Launcher(_config(tmp_path, ["--engine-config-json", '{"device": "cuda"}'], env), environ={"PATH": "/bin"})
     assert threads(gpu.engine(0, num_engines=4)) is None
+
+
+def test_batch_invariant_flag_reaches_every_engine(tmp_path):
+    import json
+
+    from planaria.engine.config import EngineConfig
+
+    def engine_config(argv):
+        spec = Launcher(_config(tmp_path, argv, {"STATE_DIRECTORY": str(tmp_path)}), environ={"PATH": "/bin"}).engine(0)
+        return EngineConfig(**json.loads(spec.argv[spec.argv.index("--config-json") + 1]))
+
+    assert engine_config(["--batch-invariant", "on"]).batch_invariant is True
+    assert engine_config(["--batch-invariant", "off"]).batch_invariant is False
+    assert engine_config([]).batch_invariant is None  # auto: each engine decides (engine/batch_invariance.py)
+    with pytest.raises(config_mod.ConfigError, match="on, off or auto"):
+        _config(tmp_path, ["--batch-invariant", "yes"], {"STATE_DIRECTORY": str(tmp_path)})

@@ -29,14 +29,15 @@ def test_replica_mode_has_no_ep_lines_or_columns():
 def test_ep_view_shows_epoch_ranks_and_active_op():
     op = {"op_id": "op-1", "phase": "switching", "target": 3, "progress": "epoch 8: ScaleUp to 3 ranks",
           "error": ""}
-    text = status.render(data({**EP, "op": op}, engine(0, epoch=7, ep_state="serving"),
+    text = status.render(data({**EP, "op": op}, engine(0, epoch=7, ep_state="serving", transport="shm"),
                               engine(1, epoch=7, ep_state="unhealthy")))
     lines = text.splitlines()
     assert "expert parallel: epoch 7, 2 rank(s): n-e0, n-e1; this node leads" in lines
     assert "op op-1: switching, to 3 engine(s) (epoch 8: ScaleUp to 3 ranks)" in lines
     header = next(line for line in lines if line.startswith("ENGINE"))
-    assert header.split()[-3:] == ["EPOCH", "EP", "STATE"]
-    assert lines[-1].split()[-2:] == ["7", "unhealthy"]
+    assert header.split()[-5:] == ["EPOCH", "EP", "STATE", "EP", "LINK"]
+    assert lines[-2].split()[-3:] == ["7", "serving", "shm"]
+    assert lines[-1].split()[-3:] == ["7", "unhealthy", "-"]
 
 
 def test_ep_view_shows_a_failed_op_with_its_reason_and_etcd_outage():

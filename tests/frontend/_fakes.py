@@ -48,6 +48,8 @@ class FakeEngineInfo:
     pid: int | None = 1234
     stats: SchedulerStats | None = None
     max_model_len: int = 64
+    num_cached_blocks: int = 0
+    routed_hit_rate: float = 0.0
 
     @property
     def healthy(self) -> bool:
@@ -105,3 +107,9 @@ class FakeEngineClient:
 
     async def abort(self, request_id: str) -> None:
         self.aborted.append(request_id)
+
+    def routing_status(self) -> dict:
+        """As EngineClient.routing_status: every request went to engine 0 on its load."""
+        return {"policy": "kv", "decisions": {"no_prefix": len(self.requests)},
+                "engines": {str(e.index): {"state": e.state, "num_cached_blocks": e.num_cached_blocks}
+                            for e in self.engines}}

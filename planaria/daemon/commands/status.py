@@ -20,10 +20,16 @@ scale op ("op") and the last finished one ("last_op", with the error of a failed
 and every engine's etcd record (its node among them), and "etcd": the embedded etcd's
 process (state, pid, restarts, endpoint, the last exit; None with --etcd-endpoints), also
 while etcd is unreachable; the text view shows them above the
-table, and each local engine's epoch and record state in it. The table lists this
+table, and each local engine's epoch, record state and the transport of its group ("transport":
+"shm" between ranks of one node, "gloo" across nodes) in it. The table lists this
 node's engines; the other nodes' are in the placement line. "standby" (EP, --standby N)
 lists the warm standby processes (pid, "warming" or "ready", uptime), how many were taken
 by an engine start, and when the next one starts.
+"routing" is the frontend's router as its last liveness beat told it (common/liveness.py;
+None until then): the policy (--routing), its decisions by reason, and per engine the
+blocks of its prefix index ("num_cached_blocks") and the prefix-cache hit rate of the
+requests routed there ("routed_hit_rate"); the text view shows them as the CACHED and HIT
+columns and a "routing:" line (docs/routing.md).
 """
 
 from __future__ import annotations
@@ -35,7 +41,7 @@ from typing import Any
 from planaria.daemon.commands._common import add_daemon_arguments, call, fail
 
 NAME = "status"
-HELP = "show engines (state, pid, uptime, restarts, load, KV) and the frontend"
+HELP = "show engines (state, pid, uptime, restarts, load, KV, cached prefix blocks) and the frontend"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -69,15 +75,19 @@ def render(data: dict[str, Any]) -> str:
         return "-" if v is None else str(v)
 
     ep = data.get("ep")
+    routed = (data.get("routing") or {}).get("engines")
     rows = [("ENGINE", "RANK", "STATE", "PID", "UPTIME", "RESTARTS", "RUN/WAIT", "KV USE",
-             "KV CACHE", "KV SOURCE", "DTYPE") + (("EPOCH", "EP STATE") if ep else ())]
+             "KV CACHE", "KV SOURCE") + (("CACHED", "HIT") if routed is not None else ()) + ("DTYPE",)
+            + (("EPOCH", "EP STATE", "EP LINK") if ep else ())]
     for e in data["engines"]:
         load = "-" if e["num_running"] is None else f"{e['num_running']}/{e['num_waiting']}"
         kv_use = "-" if e["kv_usage"] is None else f"{100 * e['kv_usage']:.0f}%"
         rows.append((str(e["engine_id"]), dash(e["rank"]), e["state"], dash(e["pid"]),
                      _fmt_s(e["uptime_s"]), str(e["restarts"]), load, kv_use,
-                     _fmt_bytes(e["kv_cache_bytes"]), dash(e["kv_source"]), dash(e.get("dtype")))
-                    + ((dash(e.get("epoch")), dash(e.get("ep_state"))) if ep else ()))
+                     _fmt_bytes(e["kv_cache_bytes"]), dash(e["kv_source"]))
+                    + (routing_cells(routed.get(str(e["engine_id"]))) if routed is not None else ())
+                    + (dash(e.get("dtype")),)
+                    + ((dash(e.get("epoch")), dash(e.get("ep_state")), dash(e.get("transport"))) if ep else ()))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = [data["status"]]
     fe = data["frontend"]
@@ -93,12 +103,29 @@ def render(data: dict[str, Any]) -> str:
         lines += ep_lines(ep)
     if data.get("standby"):
         lines.append(standby_line(data["standby"]))
+    if data.get("routing"):
+        lines.append(routing_line(data["routing"]))
     lines.append("")
     lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
     for e in data["engines"]:
         if e["state"] in ("backoff", "failed", "drained", "waiting") and e["reason"]:
             lines.append(f"engine {e['engine_id']}: {e['reason']}")
     return "\n".join(lines)
+
+
+def routing_cells(r: dict[str, Any] | None) -> tuple[str, str]:
+    """An engine's CACHED (blocks in the frontend's prefix index) and HIT (prefix-cache hit
+    rate of the requests routed to it) cells."""
+    if not r:
+        return "-", "-"
+    hit = f"{100 * r['routed_hit_rate']:.0f}%" if r.get("routed_prompt_tokens") else "-"
+    return str(r.get("num_cached_blocks", "-")), hit
+
+
+def routing_line(r: dict[str, Any]) -> str:
+    """The frontend's routing policy and its decisions by reason."""
+    decisions = ", ".join(f"{k} {v}" for k, v in sorted((r.get("decisions") or {}).items()) if v) or "none yet"
+    return f"routing: {r.get('policy', '-')}; requests routed by {decisions}"
 
 
 def liveness_text(fe: dict[str, Any]) -> str:

@@ -193,6 +193,10 @@ class PoolingEngineCore:
         """Embedding steps keep no step records."""
         return None
 
+    def take_kv_events(self) -> None:
+        """No KV cache, so no prefix cache to report."""
+        return None
+
     def config_hash(self) -> str:
         return self.config.hash() + self.model_fingerprint[:8]
 
