@@ -76,6 +76,10 @@ class EPEngineCoreProc(EngineCoreProc):
         self._membership = None
         self._watch = None
         self._forming = False
+        # the last lockstep sync said some rank has work: a rank without work of its own
+        # must not sit in its idle poll (IDLE_POLL_S) before the next sync, or every step of
+        # its peers waits that long for it (5 ms of a 15 ms decode step)
+        self._group_busy = False
         self._error = ""
         self.timings: dict[str, float] = {}
         self._started_at = time.time()
@@ -202,7 +206,7 @@ class EPEngineCoreProc(EngineCoreProc):
         lifecycle = self.lifecycle
         try:
             while True:
-                busy = self.rank.in_group and self.core.has_unfinished_requests()
+                busy = self.rank.in_group and (self._group_busy or self.core.has_unfinished_requests())
                 self._process_inputs(block_s=0 if busy else IDLE_POLL_S)
                 self._carry_out(lifecycle.on_leave_tick(time.monotonic()))
                 if not self.rank.in_group:
@@ -222,7 +226,9 @@ class EPEngineCoreProc(EngineCoreProc):
         try:
             pending = self._spec_for(rank.pending) if rank.pending is not None else None
             ready = pending is not None and self._joiners_arrived(pending)
+            self._group_busy = False
             result = self.ep.sync(has_work, pending if ready else None, leaving=rank.leaving)
+            self._group_busy = result.any_work
             if result.switch_to is not None and rank.pending_number == result.switch_to:
                 self._act(rank.switch_agreed())
             elif result.switch_to is not None:  # an epoch this rank has not seen leaves it out
