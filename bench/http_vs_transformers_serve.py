@@ -183,19 +183,23 @@ class Planaria(Server):
     name = "planaria"
     ready_path = "/ready"
 
-    def __init__(self, model: Path, log_path: Path, engine_config: dict) -> None:
+    def __init__(self, model: Path, log_path: Path, engine_config: dict, runtime_prefix: str = "pl-bh-") -> None:
         super().__init__(model, log_path)
         self.engine_config = engine_config
-        self.runtime = Path(tempfile.mkdtemp(prefix="pl-bh-", dir="/tmp"))  # ipc paths stay short
+        self.runtime = Path(tempfile.mkdtemp(prefix=runtime_prefix, dir="/tmp"))  # ipc paths stay short
 
     def command(self):
         cmd = [sys.executable, "-m", "planaria.frontend.main", "--model", str(self.model),
                "--http", f"127.0.0.1:{self.port}", "--runtime-dir", str(self.runtime),
                "--engines", "1", "--spawn-engines", "--log-level", "WARNING",
                "--engine-config-json", json.dumps(self.engine_config)]
-        env = dict(os.environ, HF_HUB_OFFLINE="1",
-                   PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
-        return cmd, env
+        return cmd, self.env()
+
+    @staticmethod
+    def env() -> dict[str, str]:
+        """Offline, and this checkout's planaria first on the path."""
+        return dict(os.environ, HF_HUB_OFFLINE="1",
+                    PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
 
     def body(self, prompt: str, max_tokens: int) -> dict:
         return {**super().body(prompt, max_tokens), "model": self.model.name, "ignore_eos": True}

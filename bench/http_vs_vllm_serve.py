@@ -88,30 +88,22 @@ MAKE_SERVE_CONFIG = {"max_model_len": 2048, "max_num_seqs": 32}  # the Makefile'
 MODES = ("spawn", "ep2", "one")
 
 
-class PlanariaServe(Server):
+class PlanariaServe(Planaria):
     """``planaria serve``: the daemon (supervisor, frontend, ``engines`` engines; with
     ``parallel`` ep an embedded etcd too), as ``make serve`` starts it."""
 
-    ready_path = "/ready"
-
     def __init__(self, model: Path, log_path: Path, name: str, engines: int, parallel: str,
                  engine_config: dict) -> None:
-        super().__init__(model, log_path)
-        self.name, self.engines, self.parallel, self.engine_config = name, engines, parallel, engine_config
+        super().__init__(model, log_path, engine_config, runtime_prefix="pl-bv-")
+        self.name, self.engines, self.parallel = name, engines, parallel
         self.state = Path(tempfile.mkdtemp(prefix="pl-bv-state-"))
-        self.runtime = Path(tempfile.mkdtemp(prefix="pl-bv-", dir="/tmp"))  # ipc paths stay short
 
     def command(self):
         cmd = [sys.executable, "-m", "planaria.daemon.cli", "serve", "--model", str(self.model),
                "--engines", str(self.engines), "--http", f"127.0.0.1:{self.port}",
                "--state-dir", str(self.state), "--runtime-dir", str(self.runtime), "--parallel", self.parallel,
                "--engine-config-json", json.dumps(self.engine_config)]
-        env = dict(os.environ, HF_HUB_OFFLINE="1",
-                   PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
-        return cmd, env
-
-    def body(self, prompt: str, max_tokens: int) -> dict:
-        return {**super().body(prompt, max_tokens), "model": self.model.name, "ignore_eos": True}
+        return cmd, self.env()
 
     def start(self, timeout_s: float = 600.0) -> float:
         """Up at /ready (one engine serving), then until every engine serves (ep: the whole
