@@ -1,4 +1,5 @@
-"""KV-aware routing for real: `planaria serve` with 2 tiny-moe engines, its frontend, and a
+"""KV-aware routing for real: `planaria serve` with 2 tiny-moe engines (replica, and the
+expert-parallel ranks of `make serve`'s default), its frontend, and a
 second frontend (an EngineClient of this test, client index 1, which every engine also
 handshakes with: --extra-client-addresses), over real HTTP and real sockets.
 
@@ -122,3 +123,34 @@ def test_kv_routing_through_the_daemon(tiny_moe, tmp_path):
         lt.run(second.close())
         lt.close()
         shutil.rmtree(second_dir, ignore_errors=True)
+
+
+def test_kv_routing_across_expert_parallel_ranks(tiny_moe, tmp_path):
+    """The default `make serve` deployment: attention (and its KV) is per rank, so a
+    conversation's turns go to the rank holding its history; a SIGKILLed rank is dropped
+    from the index at its death report and comes back empty when the group re-forms."""
+    d = Daemon(tiny_moe, tmp_path, extra_args=("--parallel", "ep", "--engine-config-json", json.dumps(ENGINE_CONFIG)))
+    try:
+        d.wait(lambda s: s["num_up"] == 2 and (s.get("ep") or {}).get("world_size") == 2
+               and all(e["state"] == "serving" for e in s["ep"]["engines"].values()), 180, "EP group of 2")
+        prompt = HISTORY
+        for turn in range(3):
+            _complete(d, prompt)
+            prompt = prompt + [400 + turn] * 40
+        routing = _routing(d, lambda r: sum(r["decisions"].values()) == 3)
+        assert routing["decisions"]["no_prefix"] == 1 and routing["decisions"]["prefix"] == 2, routing
+        [holder] = [i for i, e in routing["engines"].items() if e["num_routed"] == 3]
+        assert routing["engines"][holder]["num_cached_blocks"] > 0
+
+        victim = next(e["pid"] for e in d.status()["engines"] if str(e["engine_id"]) == holder)
+        os.kill(victim, signal.SIGKILL)
+        _routing(d, lambda r: r["engines"][holder]["num_cached_blocks"] == 0, "the dead rank's index dropped")
+        _complete(d, prompt)  # served by the survivor while the rank is away (or by it, back and empty)
+        d.wait(lambda s: s["num_up"] == 2 and all(e["state"] == "serving" for e in s["ep"]["engines"].values())
+               and any(str(e["engine_id"]) == holder and e["pid"] != victim for e in s["engines"]),
+               180, "the killed rank back in the group")
+        routing = _routing(d, lambda r: sum(r["decisions"].values()) == 4)
+        assert all(e["num_routed_while_down"] == 0 for e in routing["engines"].values()), routing
+    finally:
+        _stop_tree(d.proc)
+        shutil.rmtree(d.runtime, ignore_errors=True)
