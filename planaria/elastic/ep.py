@@ -38,7 +38,7 @@ from planaria.elastic.errors import ElasticError
 from planaria.elastic.shm_group import ShmGroup
 from planaria.engine.models.decoder import SparseMoE
 from planaria.kernels import cpu_ext
-from planaria.kernels.moe import fused_kernel_takes, grouped_expert_mlp
+from planaria.kernels.moe import expert_pair_outputs, grouped_expert_mlp
 
 
 log = logging.getLogger(__name__)
@@ -352,14 +352,9 @@ class ExpertParallel:
     def _pair_outputs(moe, recv_x: torch.Tensor, recv_ids: torch.Tensor, invariant: bool) -> torch.Tensor:
         """Each received (token, expert) pair's expert output [R, H], float32, unweighted."""
         R, H = recv_x.shape
-        if fused_kernel_takes(recv_x, moe.w13, moe.w2, R, invariant):
-            y = torch.empty(R, 1, H, dtype=torch.float32, device=recv_x.device)
-            torch.ops.planaria.fused_moe_pairs(recv_x.contiguous(), moe.w13, moe.w2, recv_ids[:, None].contiguous(),
-                                               moe.expert_start, y)
-            return y.view(R, H)
-        ones = recv_x.new_ones(R, 1)
-        return grouped_expert_mlp(recv_x, moe.w13, moe.w2, ones, recv_ids[:, None], moe.expert_start, None,
-                                  invariant).float()
+        y = torch.empty(R, 1, H, dtype=torch.float32, device=recv_x.device)
+        expert_pair_outputs(recv_x, moe.w13, moe.w2, recv_ids[:, None], moe.expert_start, y, invariant)
+        return y.view(R, H)
 
 
 def apply_expert_parallel(model, ep: ExpertParallel | None) -> int:

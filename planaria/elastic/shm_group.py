@@ -51,7 +51,7 @@ import torch
 
 from planaria.elastic.errors import ElasticError
 from planaria.kernels import cpu_ext
-from planaria.kernels.moe import fused_kernel_takes, grouped_expert_mlp
+from planaria.kernels.moe import expert_pair_outputs
 
 
 class ShmCollectiveError(ElasticError):
@@ -353,18 +353,8 @@ class ShmGroup:
         direct = len(srcs) == 1
         y = self.y[r, srcs[0], :total] if direct else torch.empty(total, K, H, dtype=torch.float32)
         # the pairs these experts get, on average: the one engine's rule at the same load
-        invariant = getattr(moe, "invariant", False)  # batch-invariant mode: the kernel at every size
-        if fused_kernel_takes(xs, moe.w13, moe.w2, total * K * n_local // max(1, n_all), invariant):
-            torch.ops.planaria.fused_moe_pairs(xs, moe.w13, moe.w2, ids_s, moe.expert_start, y)
-        else:
-            flat = ids_s.reshape(-1)
-            idx = ((flat >= moe.expert_start) & (flat < moe.expert_end)).nonzero().squeeze(1)
-            if idx.numel():
-                pair_ids = flat.index_select(0, idx)
-                xl = xs.index_select(0, idx // K)
-                yl = grouped_expert_mlp(xl, moe.w13, moe.w2, xl.new_ones(idx.numel(), 1), pair_ids[:, None],
-                                        moe.expert_start)
-                y.view(total * K, H).index_copy_(0, idx, yl.float())
+        expert_pair_outputs(xs, moe.w13, moe.w2, ids_s, moe.expert_start, y, getattr(moe, "invariant", False),
+                            total * K * n_local // max(1, n_all))
         if not direct:
             off = 0
             for s in srcs:

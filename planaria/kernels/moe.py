@@ -109,6 +109,27 @@ def grouped_expert_mlp(
     return unsorted.view(T, K, H).sum(dim=1)
 
 
+def expert_pair_outputs(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
+                        expert_offset: int, y: torch.Tensor, invariant: bool = False,
+                        num_pairs: int | None = None) -> None:
+    """y [T, K, H] float32 <- the unweighted output of each pair (t, k) whose expert is local
+    (rows of the other pairs are left as they are): what an expert-parallel rank computes
+    for its peers, who sum their pairs with ``moe_combine``. The C++ kernel where
+    ``fused_kernel_takes`` (``num_pairs``: the pairs it counts, T * K by default), else the
+    torch code over the local pairs alone (rounded to x's dtype, then widened)."""
+    T, K = topk_ids.shape
+    if fused_kernel_takes(x, w13, w2, T * K if num_pairs is None else num_pairs, invariant):
+        torch.ops.planaria.fused_moe_pairs(x.contiguous(), w13, w2, topk_ids.contiguous(), expert_offset, y)
+        return
+    flat = topk_ids.reshape(-1)
+    idx = ((flat >= expert_offset) & (flat < expert_offset + w13.shape[0])).nonzero().squeeze(1)
+    if idx.numel():
+        xl = x.index_select(0, idx // K)
+        yl = grouped_expert_mlp(xl, w13, w2, xl.new_ones(idx.numel(), 1), flat.index_select(0, idx)[:, None],
+                                expert_offset, None, invariant)
+        y.view(T * K, -1).index_copy_(0, idx, yl.float())
+
+
 def _few_pairs(x, w13, w2, topk_weights, topk_ids, expert_offset, packed):
     """The per-expert loop for a few (token, expert) pairs (decode at small batches),
     grouped in Python from one ``tolist()``: the sort, bincount and index arithmetic of
