@@ -241,7 +241,6 @@ class ShmGroup:
         self.seq = 0
         self._ar_count = 0
         self.waiting_since: float | None = None
-        self.num_collectives = 0
 
     # -- the barrier -----------------------------------------------------------------------------
     def _check_peers(self) -> None:
@@ -297,7 +296,6 @@ class ShmGroup:
         slot[self.rank, :n].copy_(t.reshape(-1))
         self._phase()
         t.copy_(slot[:, :n].amax(dim=0).view_as(t))
-        self.num_collectives += 1
         return t
 
     def moe(self, moe, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
@@ -332,7 +330,6 @@ class ShmGroup:
                 src = owner_rows[lo:lo + n] + self._pair_base[:n]
                 torch.ops.planaria.moe_combine(self._rows, src, w32[lo:lo + n].contiguous(), out[lo:lo + n])
             i += 1
-        self.num_collectives += 2 * rounds
         return out
 
     def _compute(self, moe, counts: list[int]) -> None:
