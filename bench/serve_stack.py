@@ -259,6 +259,18 @@ class ServeStack:
             time.sleep(0.05)
         raise TimeoutError(f"engines not all serving within {timeout_s} s\n{self.logs()}")
 
+    def wait_busy(self, engine_id: int, timeout_s: float = 30.0) -> bool:
+        """Until engine ``engine_id`` reports requests running (its heartbeat's count), so a
+        fault caused next hits work in flight; False when it had none within ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            engines = self.status()["engines"]
+            if any(e["engine_id"] == engine_id and e["state"] == "running" and (e.get("num_running") or 0) > 0
+                   for e in engines):
+                return True
+            time.sleep(0.02)
+        return False
+
     # -- faults ---------------------------------------------------------------------------
     def fault(self, engine_id: int, kind: str) -> Fault:
         """Cause ``kind`` in the engine now serving as ``engine_id``."""

@@ -57,6 +57,7 @@ def _pass(stack: ServeStack, bodies: list[dict], concurrency: int, faults=()) ->
                 for delay, engine, kind in faults:
                     await asyncio.sleep(delay)
                     await loop.run_in_executor(None, stack.wait_ready, 90.0)
+                    await loop.run_in_executor(None, stack.wait_busy, engine, 30.0)  # work in flight there
                     fault = await loop.run_in_executor(None, stack.fault, engine, kind)
                     await loop.run_in_executor(None, stack.wait_exit, fault, 30.0)
 
