@@ -126,6 +126,10 @@ class ServeConfig(msgspec.Struct, kw_only=True, frozen=True):
     priority_key: str = ""  # callers presenting it as bearer token may set priority; PLANARIA_PRIORITY_KEY
     tool_call_parser: str = "hermes"  # frontend/tool_parsers.py; "none": tool_choice "auto" is off
     routing: str = "kv"  # or "least-loaded": how the frontend picks a request's engine (engine/kv_router.py)
+    # Each engine's KV cache in a shared-memory file (daemon/kv_segments.py) that outlives the
+    # process: a survivor adopts a dead or draining engine's blocks. ``--kv-salvage on|off``.
+    kv_salvage: bool = True
+    kv_segment_ttl_s: float = 20.0  # how long a dead or exited engine's segment is kept
 
     def validate(self) -> None:
         if self.parallel not in ("replica", "ep"):
@@ -134,6 +138,8 @@ class ServeConfig(msgspec.Struct, kw_only=True, frozen=True):
             raise ConfigError(f"--batch-invariant must be on, off or auto, got {self.batch_invariant!r}")
         if self.num_engines < 1:
             raise ConfigError(f"--engines must be >= 1, got {self.num_engines}")
+        if not (0 < self.kv_segment_ttl_s < float("inf")):  # NaN fails too
+            raise ConfigError(f"--kv-segment-ttl must be a number of seconds > 0, got {self.kv_segment_ttl_s}")
         if self.max_engines < self.num_engines:
             raise ConfigError(f"--max-engines ({self.max_engines}) must be >= --engines "
                               f"({self.num_engines})")
@@ -277,7 +283,7 @@ LIVE_FIELDS = frozenset({"log_level", "hang_timeout_s", "stopped_timeout_s", "fr
                          "stop_timeout_s", "max_engines",
                          "restart_backoff_s", "restart_backoff_max_s", "flap_window_s",
                          "flap_max_exits", "flap_hold_s", "retry_limit", "stable_s",
-                         "served_restart_delay_s", "served_restart_max"})
+                         "served_restart_delay_s", "served_restart_max", "kv_segment_ttl_s"})
 
 # (flag, field, type, help); every flag's default is "not given" (argparse.SUPPRESS), so
 # that the sources can be layered; the defaults shown come from ServeConfig.
@@ -302,6 +308,14 @@ _FLAGS: list[tuple[str, str, Any, str]] = [
      "prefilled or decoded, so a request replays bit for bit (needs the C++ CPU kernels; no "
      "--compile); off: the fastest kernel per batch size; auto (default): on where its kernels "
      "are as fast, AVX-512 CPUs without AMX (docs/performance.md, \"Batch invariance\")"),
+    ("--kv-salvage", "kv_salvage", "onoff",
+     "on (default): keep each engine's KV cache in a shared-memory segment that outlives the "
+     "process, so a survivor on this node adopts a dead or draining engine's KV blocks instead "
+     "of recomputing them (RUNTIME_DIR/kv on a tmpfs, else /dev/shm/planaria-UID-HASH); off: "
+     "private memory"),
+    ("--kv-segment-ttl", "kv_segment_ttl_s", float,
+     "seconds a dead or exited engine's KV segment is kept for a survivor to copy from, then "
+     "removed (default 20)"),
     ("--hang-timeout-s", "hang_timeout_s", float,
      "kill an engine with work and no step progress this long (default 30)"),
     ("--stopped-timeout-s", "stopped_timeout_s", float,
@@ -419,6 +433,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         if kind is bool:  # a switch: present or not
             parser.add_argument(flag, dest=field, action="store_true", default=argparse.SUPPRESS, help=help_)
             continue
+        if kind == "onoff":  # on|off, made a bool by build() (a clear error for anything else)
+            parser.add_argument(flag, dest=field, type=str, metavar="on|off",
+                                default=argparse.SUPPRESS, help=help_)
+            continue
         parser.add_argument(flag, dest=field, type=str if kind == "json" else kind,
                             default=argparse.SUPPRESS, help=help_)
 
@@ -513,6 +531,12 @@ def build(flags: Mapping[str, Any], environ: Mapping[str, str] | None = None) ->
         if values.get(name):  # the engines run in the state dir: paths must not be relative
             values[name] = str(Path(values[name]).absolute())
     values["log_level"] = str(values.get("log_level", "INFO")).upper()
+    for flag, field, kind, _help in _FLAGS:
+        if kind == "onoff" and isinstance(values.get(field), str):
+            word = values[field].strip().lower()
+            if word not in ("on", "off"):
+                raise ConfigError(f"{flag} must be on or off, got {values[field]!r}")
+            values[field] = word == "on"
     if values.get("extra_client_server_key"):  # engines run in the state dir: absolute paths
         values["extra_client_server_key"] = ",".join(
             str(Path(k.strip()).absolute()) for k in values["extra_client_server_key"].split(",") if k.strip())

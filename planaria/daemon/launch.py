@@ -19,6 +19,12 @@ otherwise): engines and standbys get ``PLANARIA_ENGINE_CURVE`` in their environm
 paths of the daemon's engine key pair (``<state dir>/extra-client-keys/engine.key_secret``,
 0600, made on first use) and of each client's public key (common/sockets.py).
 
+With ``--kv-salvage on`` (the default) engines and standbys (which become engines) get
+``PLANARIA_KV_SEGMENT_DIR``, the directory where each keeps its KV cache in a file that
+outlives it (daemon/kv_segments.py), once the supervisor has made that directory and set
+``Launcher.kv_segment_dir``; the frontend never gets it, nor does any child when salvage is
+off (an inherited value is dropped).
+
 The API key (``ServeConfig.api_key``) goes to the frontend alone, as ``PLANARIA_API_KEY``
 in its environment (``/proc/PID/environ`` is its user's only, unlike the command line
 ``ps`` shows); the other children's environment never holds it.
@@ -39,6 +45,7 @@ from planaria.common.sockets import engine_curve_env, ipc_addresses
 from planaria.daemon.admin_keys import make_keypair
 from planaria.daemon.children import ChildSpec
 from planaria.daemon.config import API_KEY_ENV, PRIORITY_KEY_ENV, ServeConfig
+from planaria.daemon.kv_segments import SEGMENT_DIR_ENV
 
 FRONTEND_KEY = ("frontend",)
 ENGINE_KEYS_DIR = "extra-client-keys"  # under the state dir: engine.key, engine.key_secret
@@ -97,6 +104,7 @@ class Launcher:
 
     etcd_endpoints = ""  # EP: set by `serve` once the (embedded) etcd is up
     etcd_env: dict[str, str] = {}  # EP: etcd TLS/auth settings for the engines (EtcdSecurity.to_env)
+    kv_segment_dir = ""  # the KV segment dir, once the supervisor has made it (daemon/kv_segments.py)
 
     def __init__(self, config: ServeConfig, python: str = sys.executable,
                  environ: Mapping[str, str] | None = None) -> None:
@@ -107,7 +115,7 @@ class Launcher:
     def _env(self, **extra: str) -> dict[str, str]:
         env = {k: v for k, v in self.environ.items()
                if k not in ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID", "LISTEN_FDS",
-                            "LISTEN_PID", API_KEY_ENV, PRIORITY_KEY_ENV)}
+                            "LISTEN_PID", API_KEY_ENV, PRIORITY_KEY_ENV, SEGMENT_DIR_ENV)}
         env.setdefault("HF_HUB_OFFLINE", "1")
         # --compile: Inductor's caches in the state dir, shared by restarts and standbys
         env.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path(self.config.state_dir).resolve() / "compile-cache"))
@@ -120,6 +128,13 @@ class Launcher:
         env["PYTHONPATH"] = os.pathsep.join([root, *paths])
         env.update(extra)
         return env
+
+    def kv_segment_env(self) -> dict[str, str]:
+        """``PLANARIA_KV_SEGMENT_DIR`` for an engine or a standby: empty when salvage is off
+        or its directory could not be made."""
+        if not (self.config.kv_salvage and self.kv_segment_dir):
+            return {}
+        return {SEGMENT_DIR_ENV: str(self.kv_segment_dir)}
 
     def engine_config(self, extra: Mapping[str, Any] | None = None, num_engines: int = 1) -> dict[str, Any]:
         """An engine's EngineConfig fields. ``num_threads``, unless configured, divides the
@@ -164,7 +179,7 @@ class Launcher:
         key = engine_key(engine_id)
         etcd_env = self.etcd_env if cfg.parallel == "ep" else {}
         return ChildSpec(key=key, argv=argv, env=self._env(PLANARIA_ENGINE_ID=str(engine_id), **etcd_env,
-                                                           **self.curve_env),
+                                                           **self.curve_env, **self.kv_segment_env()),
                          log_path=str(log_path(cfg, key)), cwd=cfg.state_dir)
 
     def flight_record_path(self, engine_id: int) -> str:
@@ -191,7 +206,8 @@ class Launcher:
         cfg = self.config
         key = standby_key(number)
         argv = [self.python, "-m", "planaria.elastic.standby", "--model", cfg.model, "--ready-file", ready_file]
-        return ChildSpec(key=key, argv=argv, env=self._env(**self.etcd_env, **self.curve_env), log_path=str(log_path(cfg, key)),
+        return ChildSpec(key=key, argv=argv, env=self._env(**self.etcd_env, **self.curve_env, **self.kv_segment_env()),
+                         log_path=str(log_path(cfg, key)),
                          cwd=cfg.state_dir, stdin_pipe=True)
 
     def frontend(self, num_engines: int) -> ChildSpec:

@@ -7,8 +7,11 @@
                   Supervisor.tick() -> next deadline -> poll timeout
 
 No sleep-polling: the loop blocks in ``poll`` until an event or the next deadline (a
-restart due, a SIGKILL due, the hang checks, the watchdog ping). A frontend liveness
-beat counts only from the pid the kernel reports for its sender (common/liveness.py).
+restart due, a SIGKILL due, the hang checks, the watchdog ping, a dead engine's KV segment
+due for removal). The KV segment directory (``--kv-salvage on``, daemon/kv_segments.py) is
+made before the first child starts and removed, with every segment left, when the loop
+ends. A frontend liveness beat counts only from the pid the kernel reports for its sender
+(common/liveness.py).
 ``WATCHDOG=1`` is sent from the loop itself, so a wedged or stopped loop stops the pings and systemd's
 watchdog fires.
 
@@ -199,6 +202,13 @@ class SupervisorLoop:
         sup = self.supervisor
         clock = sup.clock
         next_ping = clock()
+        sup.open_kv_segments()  # before the first engine: it is named in their environment
+        try:
+            return self._run(sup, clock, next_ping)
+        finally:
+            sup.close_kv_segments()  # every child is gone (or, on a failure, about to be killed)
+
+    def _run(self, sup, clock, next_ping: float) -> int:
         sup.start()
         next_due = sup.tick()
         while not sup.done:

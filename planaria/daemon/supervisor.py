@@ -26,6 +26,12 @@ What it does:
 - what belongs to one process (pid, start, kill reason, heartbeat, planned exit) lives on
   its slot's ``Incarnation`` (``slot.current``, daemon/slot.py), made at spawn and dropped
   whole at its exit: nothing of a dead process reaches the next one;
+- with ``--kv-salvage on`` each engine keeps its KV cache in a file of the KV segment
+  directory (daemon/kv_segments.py), made when the loop starts (``open_kv_segments``) and
+  named to engines and standbys in their environment; when an engine or a standby exits,
+  for whatever reason, its file is kept ``kv_segment_ttl_s`` for a survivor to copy its
+  requests' KV blocks out of, then removed by ``tick()``; a file of no known process
+  (an exit never seen) gets the same delay; all go at a clean stop (``close_kv_segments``);
 - systemd hears READY=1 when the first engine serves, a STATUS= line on every change,
   STOPPING=1 on shutdown; the admin commands (daemon/commands/) call the public methods.
 """
@@ -46,14 +52,18 @@ from planaria.daemon.config import ServeConfig, live_changes
 from planaria.daemon.ep_supervisor import POLL_S as EP_POLL_S, EPSupervisor
 from planaria.daemon.frontend_watch import FrontendWatch
 from planaria.daemon.hang_detector import HangDetector, StoppedWatch
+from planaria.daemon.kv_segments import KVSegmentDir, KVSegmentDirError
 from planaria.daemon.launch import FRONTEND_KEY, Launcher, engine_key
 from planaria.daemon.restart_policy import GiveUp, HoldOff, RestartAt, RestartNow
 from planaria.daemon.slot import AfterExit, Incarnation, ScaleOp, Slot, SlotState
 from planaria.daemon.standby_pool import StandbyPool
 
 EXIT_OK, EXIT_FAILURE = 0, 1
+# engine/proc.py's HANDOVER_SIGNAL (not imported: the engine package pulls in torch)
+HANDOVER_SIGNAL = signal.SIGUSR2
 STOPPED_POLL_S = 0.2  # how often engines are looked at for a job-control stop (stopped_timeout_s)
 EXIT_CONFIG = 2  # every engine was refused for its configuration: restarting cannot help
+KV_ORPHAN_SCAN_S = 10.0  # how often the KV segment dir is looked at for files of no known process
 
 
 class Spawner(Protocol):
@@ -132,6 +142,9 @@ class Supervisor:
         self.ep: EPSupervisor | None = None  # the EP half when config.parallel == "ep" (set by serve)
         self.standby = (StandbyPool(config.num_standby, self.launcher, spawner, clock, self.log)
                         if config.parallel == "ep" and config.num_standby > 0 else None)
+        self.kv_segments: KVSegmentDir | None = None  # open_kv_segments (--kv-salvage on)
+        self.kv_segments_error: str | None = None  # why salvage is off although configured
+        self._kv_orphan_scan_at = 0.0
 
     # -- views --------------------------------------------------------------------------
     def slots(self) -> list[Slot]:
@@ -156,6 +169,81 @@ class Supervisor:
         if slot.key == FRONTEND_KEY:
             return self.log.bind(child="frontend", pid=slot.pid)
         return self.log.bind(engine_id=slot.engine_id, rank=self.rank(slot.engine_id), pid=slot.pid)
+
+    # -- KV segments --------------------------------------------------------------------
+    def open_kv_segments(self, kv_segments: KVSegmentDir | None = None) -> KVSegmentDir | None:
+        """With ``--kv-salvage on``: make (or take) the KV segment directory, remove what a
+        previous daemon left there, and name it to the engines to come (before ``start``).
+        A directory that is unsafe or cannot be made turns salvage off, with a warning:
+        engines then keep their KV in private memory. ``kv_segments``: one made already
+        (tests)."""
+        if not self.config.kv_salvage or self.kv_segments is not None:
+            return self.kv_segments
+        segments = kv_segments
+        try:
+            segments = segments or KVSegmentDir.for_runtime_dir(self.config.runtime_dir)
+            swept, free = segments.sweep(), segments.usage()["free_bytes"]
+        except (KVSegmentDirError, OSError) as exc:
+            if segments is not None:
+                segments.close()
+            self.kv_segments_error = str(exc)
+            self.log.warning("KV salvage off: no usable KV segment directory; engines keep their KV "
+                             "cache in private memory", error=str(exc))
+            return None
+        self.kv_segments = segments
+        self.launcher.kv_segment_dir = str(segments.path)
+        self._kv_orphan_scan_at = self.clock() + KV_ORPHAN_SCAN_S
+        self.log.info("KV segments", dir=str(segments.path), swept=swept,
+                      ttl_s=self.config.kv_segment_ttl_s, free_bytes=free)
+        return segments
+
+    def close_kv_segments(self) -> None:
+        """At the end (every child gone): remove every segment and the directory."""
+        segments, self.kv_segments = self.kv_segments, None
+        if segments is None:
+            return
+        self.launcher.kv_segment_dir = ""
+        try:
+            removed = segments.remove_all()
+        except OSError as exc:
+            self.log.warning("could not remove the KV segment dir", dir=str(segments.path), error=str(exc))
+            return
+        self.log.info("KV segments removed", dir=str(segments.path), num_files=removed)
+
+    def _keep_kv_segment(self, pid: int | None, now: float) -> None:
+        """Process ``pid`` exited: its KV segment goes ``kv_segment_ttl_s`` from now."""
+        if self.kv_segments is not None and pid is not None:
+            self.kv_segments.schedule_removal(pid, now + self.config.kv_segment_ttl_s)
+
+    def _tick_kv_segments(self, now: float) -> float | None:
+        segments = self.kv_segments
+        if segments is None:
+            return None
+        try:
+            due, scan = segments.next_due(), now >= self._kv_orphan_scan_at
+            live = {c.pid for c in self.live_children()} if scan or (due is not None and due <= now) else set()
+            if due is not None and due <= now:
+                removed = segments.tick(now, live)
+                if removed:
+                    self.log.debug("KV segments removed", num_files=removed)
+            if scan:
+                self._kv_orphan_scan_at = now + KV_ORPHAN_SCAN_S
+                for pid in segments.unscheduled(live):
+                    self._keep_kv_segment(pid, now)
+        except OSError as exc:  # the directory went away: nothing to hold there any more
+            self.log.warning("KV segment dir unusable", dir=str(segments.path), error=str(exc))
+            return None
+        return min(t for t in (segments.next_due(), self._kv_orphan_scan_at) if t is not None)
+
+    def kv_segments_status(self) -> dict[str, Any] | None:
+        if self.kv_segments is not None:
+            try:
+                return self.kv_segments.usage()
+            except OSError as exc:
+                return {"dir": str(self.kv_segments.path), "error": str(exc)}
+        if self.kv_segments_error is not None:
+            return {"dir": None, "error": self.kv_segments_error}
+        return None
 
     # -- starting -----------------------------------------------------------------------
     def start(self) -> None:
@@ -200,6 +288,8 @@ class Supervisor:
         if code is None:
             return  # spurious wakeup
         slot = next((s for s in self.slots() if s.child is child), None)
+        if slot is None or slot.key != FRONTEND_KEY:  # an engine or a standby: its KV is kept a while
+            self._keep_kv_segment(child.pid, self.clock())
         if slot is None:
             if self.standby is not None and self.standby.on_exit(child, self.clock(), describe_exit(code)):
                 self._notify_status()
@@ -416,6 +506,7 @@ class Supervisor:
             times.append(now + min(STOPPED_POLL_S, self.config.stopped_timeout_s / 2))
         if self.standby is not None and not self.shutting_down:
             times.append(self.standby.tick(now))
+        times.append(self._tick_kv_segments(now))
         return min((t for t in times if t is not None), default=None)
 
     def _kill_hung_frontend(self, now: float) -> None:
@@ -504,7 +595,17 @@ class Supervisor:
         run.after_exit = after_exit
         slot.state = SlotState.STOPPING
         run.kill_at = self.clock() + self.config.stop_timeout_s
+        if sig == signal.SIGTERM and self._hands_over(slot, after_exit):
+            sig = HANDOVER_SIGNAL
         run.child.send_signal(sig)
+
+    def _hands_over(self, slot: Slot, after_exit: AfterExit) -> bool:
+        """A restart, drain or scale-down of one engine while another serves, with its KV
+        in a segment that outlives it: the engine hands its requests over at once (they
+        move with their KV) instead of finishing them (engine/proc.py HANDOVER_SIGNAL)."""
+        if self.kv_segments is None or after_exit not in (AfterExit.RESTART, AfterExit.DRAIN, AfterExit.REMOVE):
+            return False
+        return any(other is not slot and other.state is SlotState.RUNNING for other in self.engines.values())
 
     def reload(self, new: ServeConfig) -> dict[str, Any]:
         """Apply what can change live; returns {"applied": {...}, "needs_restart": [...]}."""
@@ -712,4 +813,5 @@ class Supervisor:
                 "routing": self.frontend_watch.routing(),
                 "engines": engines,
                 "state_dir": self.config.state_dir, "parallel": self.config.parallel, "ep": ep,
-                "standby": self.standby.status(now) if self.standby is not None else None}
+                "standby": self.standby.status(now) if self.standby is not None else None,
+                "kv_segments": self.kv_segments_status()}

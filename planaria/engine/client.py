@@ -52,7 +52,7 @@ from planaria.engine.errors import (EngineDeadError, EngineFaultError, EngineHan
 from planaria.engine.kv_router import Route, RouteReason, Router, RouteWeights, RoutingPolicy
 from planaria.engine.messages import EngineCoreOutput, EngineCoreRequest, KVCacheEvents, SchedulerStats
 from planaria.engine.prefix_index import PrefixIndex
-from planaria.engine.wire import (DEFAULT_MAX_MESSAGE_BYTES, FRONTEND_INPUT_TYPES, PROTOCOL_VERSION,
+from planaria.engine.wire import (DEFAULT_MAX_MESSAGE_BYTES, FRONTEND_INPUT_TYPES, KV_SEGMENT_NAME, PROTOCOL_VERSION,
                          AbortRequests, HandshakeInit, HandshakeReject, MsgType, Shutdown,
                          UtilityCall, UtilityErrorCode, WireDecoder, WireEncoder, engine_identity,
                          engine_index_of)
@@ -105,6 +105,8 @@ class EngineInfo:
     config_hash: str = ""
     kv_cache_bytes: int = 0
     kv_source: str = ""
+    kv_segment: str = ""  # its current process's KV segment (READY), named by replays of its requests
+    handing_over: bool = False  # its requests were just dropped by a drain: moved, not replayed
     reason: str = ""
     num_handshakes: int = 0
     died_at_s: float = 0.0  # time.time() when this client learnt of its last death
@@ -589,6 +591,8 @@ class EngineClient:
         info.num_kv_blocks, info.max_model_len = ready.num_kv_blocks, ready.max_model_len
         info.config_hash, info.kv_cache_bytes = ready.config_hash, ready.kv_cache_bytes
         info.kv_source = ready.kv_source
+        info.kv_segment = ready.kv_segment if isinstance(ready.kv_segment, str) and \
+            KV_SEGMENT_NAME.match(ready.kv_segment) else ""
         info.block_size = ready.block_size if isinstance(ready.block_size, int) and 0 < ready.block_size <= 2**16 else 0
         info.prefix.limit(ready.num_kv_blocks)
         info.num_handshakes += 1
@@ -670,7 +674,11 @@ class EngineClient:
             self._drop_index(info)
         if status.requests_dropped or state in _GONE:
             error_type = EngineDeadError if state in _GONE else EngineFaultError
-            self._fail_engine(status.engine_index, error_type, status.reason or status.state)
+            info.handing_over = bool(status.handed_over and status.requests_dropped)
+            try:
+                self._fail_engine(status.engine_index, error_type, status.reason or status.state)
+            finally:
+                info.handing_over = False
 
 
 def _log_send_failure(fut: asyncio.Future) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import queue
 import time
+from dataclasses import dataclass
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -20,6 +21,7 @@ from planaria.engine.errors import (EngineError, InvalidRequestError, KVCacheToo
 from planaria.engine.fault_injection import FaultInjectingRunner, StepRunner
 from planaria.engine.iteration_details import IterationRecorder, scheduler_dump
 from planaria.engine.kv_cache_manager import KVCacheManager
+from planaria.engine.kv_segment import SalvageRefused
 from planaria.engine.messages import (MAX_CACHE_SALT_CHARS, MAX_KV_EVENT_HASHES, EngineCoreOutput,
                                      EngineCoreRequest, KVCacheEvents, OutputErrorCode, SchedulerStats)
 from planaria.engine.model_runner import ModelRunner
@@ -46,6 +48,16 @@ def admission_error(request_id, exc: Exception) -> EngineCoreOutput:
         log.exception("could not admit a request", request_id=rid)
         code, text = OutputErrorCode.INTERNAL, f"internal error preparing the request: {type(exc).__name__}: {exc}"
     return EngineCoreOutput(request_id=rid, finish_reason="error", error=text, error_code=code.value)
+
+
+@dataclass
+class SalvageStats:
+    """Replays that named a segment to salvage from (engine/kv_segment.py), since start."""
+
+    num_requests: int = 0  # replays that asked
+    num_refused: int = 0  # segment unusable: recomputed
+    num_blocks: int = 0  # blocks adopted
+    copy_s: float = 0.0
 
 
 class EngineCore:
@@ -100,7 +112,10 @@ class EngineCore:
             raise KVCacheTooSmallError(
                 f"KV cache budget {kv_bytes} bytes is below one block ({self.runner.bytes_per_block} bytes)")
         t_kv = time.monotonic()
-        self.num_kv_blocks = self.runner.init_kv_cache(kv_bytes)
+        from planaria.engine.kv_segment import weights_identity
+
+        self.kv_identity = weights_identity(config.model)  # what the KV of a segment was computed with
+        self.num_kv_blocks = self.runner.init_kv_cache(kv_bytes, self.kv_identity if config.enable_prefix_caching else None)
         self.init_timings["kv_alloc_s"] = time.monotonic() - t_kv
         if config.compile:  # decode graphs compiled now, not at the first steps (engine/compiled.py)
             t_compile = time.monotonic()
@@ -121,6 +136,8 @@ class EngineCore:
         self.max_model_len = max_len
 
         self.kv = KVCacheManager(self.num_kv_blocks, config.block_size, config.enable_prefix_caching)
+        self.kv.record = self.runner.kv_segment  # None: private KV (no salvage of this engine)
+        self.salvage = SalvageStats()
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
                                    max_len, config.scheduling_policy, config.enable_chunked_prefill)
         self.structured = StructuredOutputManager(config.tokenizer or config.model, self.vocab_size)
@@ -149,7 +166,62 @@ class EngineCore:
         except Exception as exc:  # noqa: BLE001 - one request never stops the engine
             self._pending_outputs.append(admission_error(getattr(ecr, "request_id", ""), exc))
             return
+        if ecr.kv_salvage:
+            self._salvage(req, ecr.kv_salvage)
         self.scheduler.add_request(req)
+
+    def _salvage(self, req: Request, name: str) -> None:
+        """A replay of a request whose engine died or handed it over: adopt the blocks of
+        its prefix that engine committed in its segment (engine/kv_segment.py), so only
+        the rest is computed. Anything wrong with the segment: the request is computed
+        as a plain replay."""
+        t0 = time.perf_counter()
+        self.salvage.num_requests += 1
+        try:
+            adopted = self._adopt_blocks(req, name)
+        except SalvageRefused as exc:
+            self.salvage.num_refused += 1
+            log.info("salvage refused; the request is recomputed", request_id=req.request_id, reason=str(exc))
+            return
+        except Exception as exc:  # noqa: BLE001 - a salvage never costs more than the recompute
+            self.salvage.num_refused += 1
+            log.warning("salvage failed; the request is recomputed", request_id=req.request_id, error=repr(exc))
+            return
+        self.salvage.num_blocks += adopted
+        self.salvage.copy_s += time.perf_counter() - t0
+        log.info("salvaged KV blocks", request_id=req.request_id, segment=name, blocks=adopted,
+                 ms=round(1000 * (time.perf_counter() - t0), 2))
+
+    def _adopt_blocks(self, req: Request, name: str) -> int:
+        from planaria.engine.block_pool import hash_request_blocks
+        from planaria.engine.kv_segment import SalvageSource, copy_blocks, segment_dir
+
+        seg = self.runner.kv_segment
+        directory = segment_dir()
+        if seg is None or directory is None or not self.kv.enable_caching or req.wants_prompt_logprobs:
+            raise SalvageRefused("this engine keeps no KV segment")
+        bs = self.kv.block_size
+        hashes = hash_request_blocks(req.all_token_ids, bs, req.block_hashes, req.cache_salt)
+        wanted = hashes[:(req.num_tokens - 1) // bs]  # as get_computed_blocks: one token left to compute
+        i = 0
+        while i < len(wanted) and self.kv.pool.lookup(wanted[i]) is not None:
+            i += 1  # already cached here
+        if i == len(wanted):
+            return 0
+        if name == seg.name:
+            raise SalvageRefused("the segment is this engine's own")
+        src = SalvageSource(directory, name, seg.layout, self.runner.kv_fingerprint(self.kv_identity))
+        try:
+            run = src.find_run(wanted[i:])
+
+            def copy(dst: list[int]) -> int:
+                part = run[:len(dst)]
+                copy_blocks(seg.blocks, src, [b for b, _ in part], dst[:len(part)])
+                return src.still_valid(part)
+
+            return self.kv.import_blocks(wanted[i:i + len(run)], copy) if run else 0
+        finally:
+            src.close()
 
     def _make_request(self, ecr: EngineCoreRequest) -> Request:
         rid = ecr.request_id
@@ -363,6 +435,11 @@ class EngineCore:
             for sr, lp in zip(sched.scheduled, logprobs):
                 if lp is not None and sr.req.output_logprobs is not None:
                     sr.req.extra["_new_logprobs"] = lp
+        if self.kv.record is not None:  # the step's KV is written: its full blocks are trusted
+            running = RequestStatus.RUNNING
+            for sr in sched.scheduled:
+                if sr.req.status is running:
+                    self.kv.commit(sr.req, sr.start_pos + sr.num_tokens)
         touched = self.scheduler.update_from_output(sched, sampled)
         for req in touched:
             if req.structured is not None and req.status == RequestStatus.RUNNING:
@@ -443,7 +520,10 @@ class EngineCore:
         return SchedulerStats(num_running=self.scheduler.num_running, num_waiting=self.scheduler.num_waiting,
                               kv_usage=round(self.kv.usage, 4), num_preemptions=self.scheduler.num_preemptions,
                               prefix_cache_hit_rate=round(self.kv.prefix_cache_hit_rate, 4),
-                              num_prefill_tokens=self.scheduler.num_prefill_tokens)
+                              num_prefill_tokens=self.scheduler.num_prefill_tokens,
+                              num_salvaged_requests=self.salvage.num_requests - self.salvage.num_refused,
+                              num_salvage_refused=self.salvage.num_refused,
+                              num_salvaged_blocks=self.salvage.num_blocks)
 
     def config_hash(self) -> str:
         return self.config.hash() + self.model_fingerprint[:8]
@@ -502,6 +582,11 @@ class EngineCore:
             else:
                 self.kv.reset_prefix_cache()  # cached blocks hold the old weights' KV
                 self.weight_version = load.version
+                if self.kv.record is not None:  # nothing in the segment is these weights' KV
+                    from planaria.engine.kv_segment import weights_identity
+
+                    self.kv_identity = weights_identity(self.runner.model_dir, load.version)
+                    self.kv.record.invalidate_all(self.runner.kv_fingerprint(self.kv_identity))
         self._weight_update, self.last_weight_load = None, load
         self.scheduler.admit_new = True
 

@@ -24,6 +24,11 @@ class KVCacheManager:
         self.block_table = np.zeros((16, 16), dtype=np.int64)  # grows (doubling) in rows and columns
         self.table_rows: dict[str, int] = {}  # request id -> its row of block_table
         self._free_rows = list(range(15, -1, -1))
+        # engine.kv_segment.KVSegment when the cache lives in a segment that outlives the
+        # process: blocks handed out are invalidated in its record, committed after the
+        # forward that wrote them (``commit``)
+        self.record = None
+        self._num_committed: dict[str, int] = {}
 
     @property
     def usage(self) -> float:
@@ -76,7 +81,7 @@ class KVCacheManager:
                 if needed > self.pool.num_free_blocks:
                     return None
                 have = len(blocks)
-                blocks.extend(self.pool.allocate(needed))
+                blocks.extend(self._allocate(needed))
                 self._write_row(req.request_id, blocks, have)
             if self.enable_caching and num_tokens // self.block_size > self._num_cached_blocks.get(req.request_id, 0):
                 self._cache_full_blocks(req, num_tokens)
@@ -93,12 +98,58 @@ class KVCacheManager:
             blocks.extend(computed_blocks)
             self._num_cached_blocks[req.request_id] = len(computed_blocks)
         if needed > 0:
-            blocks.extend(self.pool.allocate(needed))
+            blocks.extend(self._allocate(needed))
         self.req_to_blocks[req.request_id] = blocks
         self._write_row(req.request_id, blocks, 0)
         if self.enable_caching:
             self._cache_full_blocks(req, num_computed + num_new_tokens)
         return blocks
+
+    def _allocate(self, n: int) -> list[int]:
+        blocks = self.pool.allocate(n)
+        if self.record is not None:  # to be written: untrusted until committed
+            self.record.invalidate(blocks)
+        return blocks
+
+    def commit(self, req: Request, num_tokens: int) -> None:
+        """A finished forward wrote the request's KV at every position below ``num_tokens``:
+        its full blocks there are committed in the record (trusted by a salvage)."""
+        record = self.record
+        if record is None:
+            return
+        rid = req.request_id
+        blocks = self.req_to_blocks.get(rid)
+        if not blocks:
+            return
+        hashes = req.block_hashes
+        n = min(num_tokens // self.block_size, len(blocks), len(hashes))
+        done = self._num_committed.get(rid, 0)
+        if n <= done:
+            return
+        for i in range(done, n):
+            record.commit(blocks[i], hashes[i])
+        self._num_committed[rid] = n
+
+    def import_blocks(self, block_hashes: list[int], copy) -> int:
+        """Adopt blocks another engine computed (a salvage): for each of ``block_hashes``
+        (a prefix chain not cached here), a free block is taken, ``copy(dst_ids)`` fills
+        them and returns how many leading ones it filled, and those are cached here under
+        their hashes and committed, then released to the free list (cached, like a
+        finished request's blocks) for the request's prefix lookup to hit. Returns the
+        number adopted."""
+        n = min(len(block_hashes), self.pool.num_free_blocks)
+        if not self.enable_caching or n <= 0:
+            return 0
+        dst = self._allocate(n)
+        try:
+            done = copy(dst)
+            for b, h in zip(dst[:done], block_hashes[:done]):
+                self.pool.cache_block(b, h)
+                if self.record is not None:
+                    self.record.commit(b, h)
+        finally:
+            self.pool.free(reversed(dst))
+        return done
 
     def _cache_full_blocks(self, req: Request, num_tokens: int) -> None:
         # Tokens up to num_tokens are known (prompt or already sampled), so every block
@@ -116,6 +167,7 @@ class KVCacheManager:
     def free(self, req: Request) -> None:
         blocks = self.req_to_blocks.pop(req.request_id, None)
         self._num_cached_blocks.pop(req.request_id, None)
+        self._num_committed.pop(req.request_id, None)
         row = self.table_rows.pop(req.request_id, None)
         if row is not None:
             self.block_table[row, :len(blocks)] = 0
@@ -146,6 +198,8 @@ class KVCacheManager:
         return self.block_table[rows, :num_blocks]
 
     def reset_prefix_cache(self) -> bool:
+        if self.record is not None:
+            self.record.invalidate_all()
         return self.pool.reset_prefix_cache()
 
     def take_events(self, max_items: int | None = None) -> CacheEvents | None:

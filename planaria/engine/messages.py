@@ -40,6 +40,10 @@ class EngineCoreRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
     # request's block hash chain, so its prefix-cache blocks are never shared with another
     # salt's (engine/block_pool.py chain_root); the frontend's router hashes with it too.
     cache_salt: str | None = None
+    # A replay (frontend/journal.py) of a request whose engine on this node died or handed it
+    # over: the name of that engine's KV segment (engine/kv_segment.py), whose committed
+    # blocks of this request's prefix the receiving engine adopts instead of computing them.
+    kv_salvage: str | None = None
 
 
 MAX_CACHE_SALT_CHARS = 256
@@ -120,6 +124,11 @@ class SchedulerStats(msgspec.Struct, kw_only=True):
     # prompt tokens run through the model since the engine started (prefix-cache hits and
     # recomputes after a preemption excluded): n siblings sharing one prefill add one prompt
     num_prefill_tokens: int = 0
+    # replays that named a dead or handing-over engine's KV segment (engine/kv_segment.py):
+    # those whose blocks were adopted, those refused (recomputed), and the blocks adopted
+    num_salvaged_requests: int = 0
+    num_salvage_refused: int = 0
+    num_salvaged_blocks: int = 0
 
 
 class EngineCoreOutputs(msgspec.Struct, kw_only=True, omit_defaults=True):

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import structlog
 import torch
 
-from planaria.engine import batch_invariance, prompt_logprobs
+from planaria.engine import batch_invariance, kv_segment, prompt_logprobs
 from planaria.engine.batch_layout import BatchLayout, layout_batch
 from planaria.engine.config import EngineConfig
 from planaria.engine.dtype import choose_dtype
@@ -95,6 +95,7 @@ class ModelRunner:
         self.last_num_tokens = 0
         self._structured: StructuredOutputManager | None = None  # attach_structured
         self.compiled = None  # engine.compiled.CompiledDecode, once warmed up (config.compile)
+        self.kv_segment: kv_segment.KVSegment | None = None  # init_kv_cache
         self.compile_status = "off"  # shown by `planaria status`: off, on (warm-up seconds), or why not
 
     @property
@@ -133,15 +134,46 @@ class ModelRunner:
             kv = min(kv, self.config.max_cpu_kv_cache_bytes, usable_blocks * self.bytes_per_block)
         return MemoryProfile(budget, self.weights_bytes, peak, kv, time.monotonic() - t0)
 
-    def init_kv_cache(self, kv_cache_bytes: int) -> int:
+    def init_kv_cache(self, kv_cache_bytes: int, segment_model_id: str | None = None) -> int:
+        """``segment_model_id``: put the cache in a segment that outlives this process
+        (engine/kv_segment.py) when the supervisor gave a directory for it, under this
+        model identity (the weights' fingerprint)."""
         num_blocks = kv_cache_bytes // self.bytes_per_block
         if num_blocks < 1:
             raise KVCacheTooSmallError(
                 f"kv_cache_bytes={kv_cache_bytes} holds no block of {self.bytes_per_block} bytes; "
                 "raise memory_budget_bytes/memory_utilization or lower the model size")
-        self._allocate_kv(num_blocks)
         self.num_blocks = num_blocks
+        directory = kv_segment.segment_dir() if segment_model_id is not None and self.device.type == "cpu" else None
+        if directory is not None:
+            try:
+                self._allocate_kv_segment(num_blocks, directory, segment_model_id)
+                return num_blocks
+            except OSError as exc:  # a full /dev/shm, a foreign directory: private memory instead
+                log.warning("KV segment not created; the KV cache will not outlive this process",
+                            directory=str(directory), error=str(exc))
+        self._allocate_kv(num_blocks)
         return num_blocks
+
+    @property
+    def kv_layout(self) -> kv_segment.KVLayout:
+        s = self.spec
+        return kv_segment.KVLayout(num_layers=s.num_layers, block_size=self.block_size, num_kv_heads=s.num_kv_heads,
+                                   head_dim=s.head_dim, dtype=str(self.dtype).removeprefix("torch."),
+                                   num_blocks=self.num_blocks)
+
+    def kv_fingerprint(self, model_id: str) -> bytes:
+        return kv_segment.fingerprint(model_id, "", self.kv_layout)
+
+    def _allocate_kv_segment(self, num_blocks: int, directory, model_id: str) -> None:
+        import os
+
+        engine_id = int(os.environ.get("PLANARIA_ENGINE_ID", "0") or 0)
+        seg = kv_segment.KVSegment(directory, engine_id, self.kv_layout, self.kv_fingerprint(model_id))
+        self.kv_segment = seg
+        kv = seg.kv
+        self.kv_caches = [(kv[i, 0], kv[i, 1]) for i in range(self.spec.num_layers)]
+        log.info("KV cache in a segment that outlives the process", path=str(seg.path), blocks=num_blocks)
 
     def compile_decode(self) -> None:
         """config.compile: compile the decode forward now (engine/compiled.py), or say why not."""

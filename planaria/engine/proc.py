@@ -68,6 +68,9 @@ from planaria.engine.proc_io import FrontendLink, InputThread, OutputThread, han
 from planaria.engine.wire import (DEFAULT_MAX_MESSAGE_BYTES, PROTOCOL_VERSION, EngineDead, EngineStatus,
                          MsgType, Ready, UtilityCall, UtilityErrorCode, UtilityResult, split_outputs)
 
+# The supervisor's "drain, handing the requests over" (other engines serve): SIGTERM's drain,
+# but the in-flight requests move at once, their KV adopted from this engine's segment.
+HANDOVER_SIGNAL = signal.SIGUSR2
 log = logging.getLogger(__name__)
 
 FAULT_INJECTION_ENV = envs.FAULT_INJECTION
@@ -113,6 +116,7 @@ class EngineCoreProc:
         self._kv_events_seq = 0  # KVCacheEvents batches sent (each to every frontend)
         self._fault_injection = envs.get().fault_injection  # read once, at process start
         self._links: list[FrontendLink] = []
+        self._handover = False  # HANDOVER_SIGNAL came: a drain hands the requests over
 
     @property
     def state(self) -> EngineState:
@@ -124,6 +128,7 @@ class EngineCoreProc:
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, self._on_signal)
             signal.signal(signal.SIGINT, self._on_signal)
+            signal.signal(HANDOVER_SIGNAL, self._on_handover_signal)
         ctx = zmq.Context()
         input_thread = output_thread = heartbeat_thread = None
         sockets_closed = True
@@ -211,7 +216,11 @@ class EngineCoreProc:
                      max_model_len=core.max_model_len, protocol_version=PROTOCOL_VERSION,
                      config_hash=core.config_hash(), kv_cache_bytes=core.kv_cache_bytes,
                      kv_source=core.kv_source, pid=os.getpid(), vocab_size=core.vocab_size,
-                     block_size=core.config.block_size)
+                     block_size=core.config.block_size, kv_segment=self._kv_segment_name())
+
+    def _kv_segment_name(self) -> str:
+        seg = getattr(getattr(self.core, "runner", None), "kv_segment", None)
+        return seg.name if seg is not None else ""
 
     def _heartbeat(self):
         """For the supervisor (heartbeat thread): read without locks, never blocks."""
@@ -238,6 +247,13 @@ class EngineCoreProc:
     def _on_signal(self, signum, frame) -> None:
         # Runs on the main thread between bytecodes; SimpleQueue.put is reentrant-safe.
         self._carry_out(self.lifecycle.on_signal())
+
+    def _on_handover_signal(self, signum, frame) -> None:
+        """HANDOVER_SIGNAL: drain as SIGTERM does, but hand the requests over at once (other
+        engines serve) instead of finishing them here, when their KV outlives this process
+        (engine/kv_segment.py): the survivors adopt it; without a segment, a plain drain."""
+        self._handover = True
+        self._on_signal(signum, frame)
 
     # -- the busy loop ----------------------------------------------------------------------
     def _busy_loop(self) -> int:
@@ -393,6 +409,12 @@ class EngineCoreProc:
                 case Step():
                     self._step()
                 case SetState(state=state, reason=reason, drop_requests=drop):
+                    if state is EngineState.DRAINING and not drop and self._can_hand_over():
+                        # the requests move with their KV; this engine writes no block while
+                        # it drains (it has no request left), so the segment stays as it is
+                        self._send_status(state, f"{reason}; requests handed over", self._drop_all_requests(),
+                                          handed_over=True)
+                        continue
                     self._send_status(state, reason, self._drop_all_requests() if drop else False)
                 case Stop(aborted=aborted):
                     self._send_status(EngineState.STOPPED, action.reason,
@@ -418,10 +440,15 @@ class EngineCoreProc:
                 case AbandonStart():
                     raise SystemExit(EXIT_OK)
 
-    def _send_status(self, state: EngineState, reason: str, requests_dropped: bool) -> None:
+    def _send_status(self, state: EngineState, reason: str, requests_dropped: bool,
+                     handed_over: bool = False) -> None:
         self.output_queue.put((None, MsgType.STATUS, EngineStatus(
             engine_index=self.engine_index, state=state.value, reason=reason,
-            requests_dropped=requests_dropped, pid=os.getpid())))
+            requests_dropped=requests_dropped, pid=os.getpid(), handed_over=handed_over and requests_dropped)))
+
+    def _can_hand_over(self) -> bool:
+        runner = getattr(self.core, "runner", None)
+        return self._handover and getattr(runner, "kv_segment", None) is not None
 
     def _drop_all_requests(self) -> bool:
         """Abort every in-flight request without per-request outputs (a STATUS says so)."""

@@ -30,6 +30,7 @@ decoder raised (a payload nested too deeply makes msgspec raise RecursionError).
 from __future__ import annotations
 
 import enum
+import re
 import sys
 from array import array
 from typing import Any
@@ -96,6 +97,10 @@ class HandshakeReject(msgspec.Struct, kw_only=True):
     reason: str
 
 
+# engine/kv_segment.py's segment file names: engine{ID}-{PID}.kv
+KV_SEGMENT_NAME = re.compile(r"engine(\d{1,6})-(\d{1,10})\.kv\Z")
+
+
 class Ready(msgspec.Struct, kw_only=True):
     engine_index: int
     num_kv_blocks: int
@@ -107,6 +112,7 @@ class Ready(msgspec.Struct, kw_only=True):
     pid: int = 0
     vocab_size: int = 0
     block_size: int = 0  # tokens per KV block: the frontend's router hashes prompts by it (0: not said)
+    kv_segment: str = ""  # its KV cache's segment, which outlives it (engine/kv_segment.py); "": none
 
 
 # ---- requests, control -------------------------------------------------------------------
@@ -183,6 +189,9 @@ class EngineStatus(msgspec.Struct, kw_only=True, omit_defaults=True):
     reason: str = ""
     requests_dropped: bool = False  # its in-flight requests are gone (replay them elsewhere)
     pid: int = 0
+    # with requests_dropped: a draining engine handed them over (their KV stays in its
+    # segment, unwritten, while it drains): move them, no fault
+    handed_over: bool = False
 
 
 class WireError(msgspec.Struct, kw_only=True, omit_defaults=True):

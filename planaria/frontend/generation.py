@@ -98,11 +98,14 @@ class Generator:
             for entry in self.journal.unplaced():
                 self.journal.on_submitted(entry.request_id, engine_of(entry.engine_request_id))
         died_s = pid = None  # when it died: the engine's own report, else the supervisor's
+        kv_segment, planned = "", False
         for info in getattr(self._client, "engines", None) or ():
             if getattr(info, "index", None) == engine_index:
                 died_s = getattr(info, "fault_monotonic_s", None) or None
                 pid = getattr(info, "pid", None)
-        self.journal.on_engine_dead(engine_index, died_s, pid)
+                kv_segment = getattr(info, "kv_segment", "") or ""  # its KV outlives it (same node)
+                planned = bool(getattr(info, "handing_over", False))
+        self.journal.on_engine_dead(engine_index, died_s, pid, kv_segment=kv_segment, planned=planned)
 
     async def _engine_outputs(self, request: EngineCoreRequest) -> AsyncIterator[EngineCoreOutput]:
         """The engine's outputs for ``request``, across engine faults (replayed elsewhere);
@@ -147,12 +150,16 @@ class Generator:
                         self._error(action.code)
                         raise ServiceUnavailableError(f"the engine serving this request failed: {exc}; "
                                                       f"{action.reason}", code="engine_dead") from exc
-                    log.info("replaying %s as %s after %d token(s): %s", rid, action.request.request_id,
-                             entry.num_output_tokens, exc)
+                    log.info("%s %s as %s after %d token(s)%s: %s", "moving" if action.planned else "replaying",
+                             rid, action.request.request_id, entry.num_output_tokens,
+                             f" with KV of {action.request.kv_salvage}" if action.request.kv_salvage else "", exc)
                     current = action.request
                     replay_deadline = asyncio.get_running_loop().time() + self.replay_wait_s
                     if self._metrics is not None:
-                        self._metrics.record_replay()
+                        if action.planned:
+                            self._metrics.record_move()
+                        else:
+                            self._metrics.record_replay()
         finally:
             journal.close(rid)
 

@@ -89,6 +89,9 @@ class JournalEntry:
     lost_incarnation: str | None = None  # the engine request id whose loss was last marked
     lost_pid: int | None = None  # the pid of the engine its current incarnation was lost with
     death_pids: list[int | None] = field(default_factory=list)  # engines counted so far
+    lost_kv_segment: str = ""  # the KV segment of the engine it was lost with (engine/kv_segment.py)
+    lost_planned: bool = False  # its engine handed it over (a drain): no fault of anyone's
+    num_moves: int = 0  # replays after a handover (counted in num_replays too, not in the limit)
     awaiting_first_token: bool = False  # replayed, no token from the replay yet
     prompt_logprobs_received: bool = False  # a replay must not compute them again
 
@@ -105,6 +108,7 @@ class JournalEntry:
 class Replay:
     request: EngineCoreRequest
     num_replays: int  # this one included
+    planned: bool = False  # a handover by a draining engine, not a fault
 
 
 @dataclass(frozen=True)
@@ -207,11 +211,13 @@ class RequestJournal:
 
     # -- faults -------------------------------------------------------------------------
     def on_engine_dead(self, engine_index: int, died_monotonic_s: float | None = None,
-                       pid: int | None = None) -> list[str]:
+                       pid: int | None = None, kv_segment: str = "", planned: bool = False) -> list[str]:
         """Mark every request on that engine lost; returns their ids (to replay).
         ``died_monotonic_s``: when the engine died (time.monotonic()), if known; ``pid``:
         the dead engine process (its cause of death, once known, decides whether the
-        death counts toward the quarantine)."""
+        death counts toward the quarantine); ``kv_segment``: its KV segment, which the
+        replays name for the survivor to adopt their blocks from; ``planned``: the engine
+        did not die but handed its requests over (a drain): no death, no replay counted."""
         now = self._clock()
         lost = []
         for entry in self._entries.values():
@@ -219,6 +225,8 @@ class RequestJournal:
                 self._mark_lost(entry, now)
                 entry.died_monotonic_s = died_monotonic_s
                 entry.lost_pid = pid
+                entry.lost_kv_segment = kv_segment
+                entry.lost_planned = planned
                 lost.append(entry.request_id)
         return lost
 
@@ -229,6 +237,7 @@ class RequestJournal:
             self._mark_lost(entry, self._clock())
 
     def _mark_lost(self, entry: JournalEntry, now: float) -> None:
+        entry.lost_kv_segment, entry.lost_planned = "", False  # on_engine_dead sets them
         entry.engine_index = None
         entry.lost_incarnation = entry.engine_request_id
         if entry.lost_at_s is None:
@@ -261,6 +270,8 @@ class RequestJournal:
         entry = self._entries[request_id]
         if entry.lost_at_s is None:
             self.on_lost(request_id)
+        if entry.lost_planned:
+            return self._move(entry)
         pid = entry.lost_pid
         # The dead engine's flight record, when it has one, names the requests that were
         # taking their first step in the batch it died in. A crash is pinned on them: the
@@ -296,9 +307,6 @@ class RequestJournal:
         entry.num_engine_deaths = sum(1 for pid in entry.death_pids
                                       if pid is None or self._cause_of(pid) != "external")
         sole_crash = pinned and cause == "fault" and len(suspects) == 1
-        entry.lost_pid = None
-        entry.sent_monotonic_s = entry.died_monotonic_s = None
-        entry.tokens_since_sent = 0
         p = entry.request.sampling_params
         n = entry.num_output_tokens
         if p.max_tokens is not None and n >= p.max_tokens:
@@ -311,22 +319,39 @@ class RequestJournal:
             self.num_quarantined_total += 1
             return FailRequest(f"request quarantined: in flight on {entry.num_engine_deaths} engines "
                                "that died; it is not replayed again", "quarantined")
-        if entry.num_replays >= self.max_replays:
+        if entry.num_replays - entry.num_moves >= self.max_replays:
             return FailRequest(f"the request's engine failed {entry.num_replays + 1} times "
                                f"(replay limit {self.max_replays})", "replay_limit")
+        return self._replay(entry)
+
+    def _move(self, entry: JournalEntry) -> Replay | FailRequest:
+        """A handover of a draining engine: replayed at once, no death, no replay counted."""
+        p = entry.request.sampling_params
+        if p.max_tokens is not None and entry.num_output_tokens >= p.max_tokens:
+            return FailRequest(f"all {p.max_tokens} tokens were already produced", "request_done")
+        entry.num_moves += 1
+        return self._replay(entry, planned=True)
+
+    def _replay(self, entry: JournalEntry, planned: bool = False) -> Replay:
+        entry.lost_pid = None
+        entry.sent_monotonic_s = entry.died_monotonic_s = None
+        entry.tokens_since_sent = 0
         entry.num_replays += 1
-        self.num_replays_total += 1
+        if not planned:
+            self.num_replays_total += 1
         entry.awaiting_first_token = True
+        n = entry.num_output_tokens
         # Prompt logprobs come with the first token: once tokens were streamed they were
         # delivered (or never will be: the replay's prompt holds output tokens too).
         req = replay_request(entry.request, entry.output_token_ids, entry.num_replays,
-                             with_prompt_logprobs=not (entry.prompt_logprobs_received or n))
+                             with_prompt_logprobs=not (entry.prompt_logprobs_received or n),
+                             kv_salvage=entry.lost_kv_segment)
         entry.engine_request_id = req.request_id
-        return Replay(req, entry.num_replays)
+        return Replay(req, entry.num_replays, planned)
 
 
 def replay_request(original: EngineCoreRequest, streamed: list[int], num_replays: int,
-                   with_prompt_logprobs: bool = True) -> EngineCoreRequest:
+                   with_prompt_logprobs: bool = True, kv_salvage: str = "") -> EngineCoreRequest:
     """``original`` continued after ``streamed``: prompt + streamed, the remaining budget,
     the output count carried in ``num_prior_output_tokens``; a fresh request id.
     ``with_prompt_logprobs`` False: the client has the prompt logprobs already (they come
@@ -344,4 +369,4 @@ def replay_request(original: EngineCoreRequest, streamed: list[int], num_replays
     return msgspec.structs.replace(
         original, request_id=f"{original.request_id}{REPLAY_ID_SEP}{num_replays}",
         prompt_token_ids=list(original.prompt_token_ids) + list(streamed), sampling_params=params,
-        num_prior_output_tokens=original.num_prior_output_tokens + n, **extra)
+        num_prior_output_tokens=original.num_prior_output_tokens + n, kv_salvage=kv_salvage or None, **extra)

@@ -49,6 +49,14 @@ _ENGINE_GAUGES: tuple[tuple[str, str, Callable[[object], float]], ...] = (
      "(prefix-cache hits and recomputes excluded).", lambda e: e.stats.num_prefill_tokens if e.stats else 0),
     ("planaria_prefix_cache_hit_rate", "Fraction of the engine's prefix-cache block lookups that hit.",
      lambda e: e.stats.prefix_cache_hit_rate if e.stats else 0.0),
+    ("planaria_engine_salvaged_requests", "Replays of a dead or drained engine's requests that adopted its KV "
+     "blocks (engine/kv_segment.py), since the engine started.",
+     lambda e: getattr(e.stats, "num_salvaged_requests", 0) if e.stats else 0),
+    ("planaria_engine_salvaged_blocks", "KV blocks adopted from a dead or drained engine's segment instead of "
+     "computed, since the engine started.", lambda e: getattr(e.stats, "num_salvaged_blocks", 0) if e.stats else 0),
+    ("planaria_engine_salvage_refused", "Replays whose named KV segment could not be used (gone, other "
+     "weights, inconsistent): computed as plain replays.",
+     lambda e: getattr(e.stats, "num_salvage_refused", 0) if e.stats else 0),
     ("planaria_engine_healthy", "1 while the engine is running.", lambda e: 1 if e.healthy else 0),
     ("planaria_engine_last_death_timestamp_seconds", "Wall time this frontend learnt of the engine's last death.",
      lambda e: getattr(e, "died_at_s", 0.0)),
@@ -146,6 +154,9 @@ class FrontendMetrics:
                                      registry=r)
         self.replays = Counter("planaria_request_replays_total",
                                "Requests resubmitted to another engine after an engine fault.", registry=r)
+        self.moves = Counter("planaria_request_moves_total",
+                             "Requests handed to another engine by a draining one (with their KV where it "
+                             "outlives the engine: same node).", registry=r)
         self.last_replay_start = Gauge("planaria_replay_last_start_timestamp_seconds",
                                        "Wall time of the last replay submission.", registry=r)
         self.last_replay_token = Gauge("planaria_replay_last_first_token_timestamp_seconds",
@@ -175,6 +186,10 @@ class FrontendMetrics:
 
     def record_replay(self) -> None:
         self.replays.inc()
+        self.last_replay_start.set_to_current_time()
+
+    def record_move(self) -> None:
+        self.moves.inc()
         self.last_replay_start.set_to_current_time()
 
     def record_replay_latency(self, latency_s: float) -> None:

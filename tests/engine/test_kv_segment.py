@@ -1,0 +1,214 @@
+"""KV that outlives its engine (engine/kv_segment.py): real EngineCores on the tiny-moe demo
+model, in the host's default dtype (bf16 with the batch-invariant kernels where the CPU has
+AVX512-BF16), each with its KV cache in a segment file on tmpfs. An engine "dies" mid-stream
+(it is dropped: its segment stays as a SIGKILL leaves it) and a second engine continues the
+request from prompt + emitted tokens naming the dead one's segment: it adopts the committed
+blocks, computes only the rest, and produces the same tokens as the uninterrupted run. A
+segment it cannot trust (record torn mid-write, other weights, other layout, a hostile name,
+a vanished file) is refused and the request is computed as a plain replay, still exact."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import uuid
+from pathlib import Path
+
+import msgspec
+import numpy as np
+import pytest
+
+from planaria.engine import kv_segment
+from planaria.engine.config import EngineConfig
+from planaria.engine.core import EngineCore
+from planaria.engine.messages import EngineCoreRequest
+from planaria.engine.sampling_params import SamplingParams
+
+PROMPT = [100 + (7 * i) % 300 for i in range(50)]
+TOTAL = 60  # tokens of the uninterrupted run
+CUT = 20  # tokens the first engine produced before it died
+
+
+@pytest.fixture
+def seg_dir(monkeypatch):
+    d = Path("/dev/shm") / f"planaria-test-{uuid.uuid4().hex[:12]}"
+    d.mkdir(mode=0o700)
+    monkeypatch.setenv(kv_segment.SEGMENT_DIR_ENV, str(d))
+    monkeypatch.setenv("PLANARIA_CPU_DTYPE", "")  # the host's default dtype, not the suite's float32
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def _core(model: str, engine_id: int, monkeypatch, **kw) -> EngineCore:
+    monkeypatch.setenv("PLANARIA_ENGINE_ID", str(engine_id))
+    cfg = dict(model=model, kv_cache_bytes=4 * 2**20, max_model_len=256, max_num_seqs=8,
+               max_num_batched_tokens=256, num_threads=1)
+    cfg.update(kw)
+    return EngineCore(EngineConfig(**cfg))
+
+
+def _req(rid: str, prompt: list[int], max_tokens: int, **kw) -> EngineCoreRequest:
+    return EngineCoreRequest(request_id=rid, prompt_token_ids=list(prompt),
+                             sampling_params=SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
+                             **kw)
+
+
+def _run(core: EngineCore, rid: str, limit: int | None = None) -> list[int]:
+    """Step until ``rid`` finished (or produced ``limit`` tokens); its tokens."""
+    tokens: list[int] = []
+    for _ in range(1000):
+        outs, _ = core.step()
+        for o in outs:
+            if o.request_id == rid:
+                assert o.error is None, o.error
+                tokens += o.new_token_ids
+                if o.finish_reason is not None:
+                    return tokens
+        if limit is not None and len(tokens) >= limit:
+            return tokens
+    raise AssertionError("the request did not finish")
+
+
+def _exact(core: EngineCore) -> bool:
+    """Whether re-batched tokens are promised bit for bit here (float32, or the invariant kernels)."""
+    return core.runner.invariance.on or str(core.runner.dtype) == "torch.float32"
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_moe):
+    """The uninterrupted run, in the default dtype, with private KV (no segment dir)."""
+    env = {k: os.environ.pop(k) for k in (kv_segment.SEGMENT_DIR_ENV,) if k in os.environ}
+    old = os.environ.get("PLANARIA_CPU_DTYPE")
+    os.environ["PLANARIA_CPU_DTYPE"] = ""
+    try:
+        core = EngineCore(EngineConfig(model=tiny_moe, kv_cache_bytes=4 * 2**20, max_model_len=256,
+                                       max_num_seqs=8, max_num_batched_tokens=256, num_threads=1))
+        assert core.runner.kv_segment is None
+        core.add_request(_req("ref", PROMPT, TOTAL))
+        return _run(core, "ref")
+    finally:
+        os.environ.update(env)
+        if old is None:
+            os.environ.pop("PLANARIA_CPU_DTYPE", None)
+        else:
+            os.environ["PLANARIA_CPU_DTYPE"] = old
+
+
+def _die_after(model, monkeypatch, engine_id: int = 1) -> tuple[EngineCore, list[int]]:
+    a = _core(model, engine_id, monkeypatch)
+    assert a.runner.kv_segment is not None and a.runner.kv_segment.path.exists()
+    a.add_request(_req("r", PROMPT, TOTAL))
+    return a, _run(a, "r", limit=CUT)
+
+
+def _replay(b: EngineCore, emitted: list[int], kv_salvage: str | None) -> list[int]:
+    b.add_request(_req("r~r1", PROMPT + emitted, TOTAL - len(emitted), num_prior_output_tokens=len(emitted),
+                       kv_salvage=kv_salvage))
+    return _run(b, "r~r1")
+
+
+def test_survivor_adopts_committed_blocks_and_continues_token_for_token(tiny_moe, seg_dir, reference, monkeypatch):
+    a, emitted = _die_after(tiny_moe, monkeypatch)
+    assert emitted == reference[:CUT]
+    b = _core(tiny_moe, 2, monkeypatch)
+    prefill_before = b.scheduler.num_prefill_tokens
+    rest = _replay(b, emitted, a.runner.kv_segment.name)
+    bs = b.kv.block_size
+    context = len(PROMPT) + CUT
+    # a committed every full block its finished forwards wrote: positions < context - 1 (the
+    # last emitted token was sampled, its KV not written yet)
+    assert b.salvage.num_blocks == (context - 1) // bs and b.salvage.num_refused == 0
+    assert b.scheduler.num_prefill_tokens - prefill_before == context - (context - 1) // bs * bs
+    if _exact(b):
+        assert emitted + rest == reference
+    assert len(rest) == TOTAL - CUT
+
+
+def test_uncommitted_blocks_are_never_adopted(tiny_moe, seg_dir, reference, monkeypatch):
+    """A crash while a forward wrote block k (or while its record entry was being written)
+    leaves its seq odd: the survivor adopts the blocks before it and computes from there."""
+    a, emitted = _die_after(tiny_moe, monkeypatch)
+    seg = a.runner.kv_segment
+    blocks = a.kv.get_block_ids("r")
+    seg.invalidate([blocks[2]])  # as at allocation, before a forward writes it
+    b = _core(tiny_moe, 2, monkeypatch)
+    rest = _replay(b, emitted, seg.name)
+    assert b.salvage.num_blocks == 2
+    if _exact(b):
+        assert emitted + rest == reference
+
+
+@pytest.mark.parametrize("damage", ["fingerprint", "magic", "header", "gone", "name", "traversal", "own"])
+def test_an_untrusted_segment_is_refused_and_the_request_recomputed(tiny_moe, seg_dir, reference, monkeypatch,
+                                                                    damage):
+    a, emitted = _die_after(tiny_moe, monkeypatch)
+    seg = a.runner.kv_segment
+    name = seg.name
+    mm = seg._mm
+    if damage == "fingerprint":  # other weights
+        mm[kv_segment.FINGERPRINT_OFFSET] ^= 0xFF
+    elif damage == "magic":
+        mm[0:8] = b"XXXXXXXX"
+    elif damage == "header":  # a hostile header: layout claims more blocks than the file holds
+        body = msgspec.json.encode({"pid": 1, "start_ticks": 1, "engine_id": 1, "data_offset": 1 << 21,
+                                    "created_s": 0.0, "layout": {"num_layers": 2, "block_size": 16,
+                                                                 "num_kv_heads": 2, "head_dim": 16,
+                                                                 "dtype": "bfloat16", "num_blocks": 1 << 30}})
+        mm[12:16] = len(body).to_bytes(4, "little")
+        mm[16:16 + len(body)] = body
+    elif damage == "gone":
+        seg.path.unlink()
+    elif damage == "name":
+        name = "passwd"
+    elif damage == "traversal":
+        name = "../engine1-1.kv"
+    b = _core(tiny_moe, 2, monkeypatch)
+    if damage == "own":
+        name = b.runner.kv_segment.name
+    rest = _replay(b, emitted, name)
+    assert b.salvage.num_blocks == 0 and b.salvage.num_refused == 1
+    if _exact(b):
+        assert emitted + rest == reference
+
+
+def test_a_live_writer_reusing_a_block_mid_copy_is_caught():
+    """The reader's seqlock: a block reallocated (seq made odd) while it was copied is not
+    trusted, nor any after it."""
+    d = Path("/dev/shm") / f"planaria-test-{uuid.uuid4().hex[:12]}"
+    d.mkdir(mode=0o700)
+    try:
+        layout = kv_segment.KVLayout(num_layers=2, block_size=4, num_kv_heads=1, head_dim=8, dtype="float32",
+                                     num_blocks=8)
+        fp = kv_segment.fingerprint("m", "", layout)
+        w = kv_segment.KVSegment(d, 3, layout, fp)
+        for b in range(8):
+            w.blocks[:, :, b] = float(b)
+            w.commit(b, 1000 + b)
+        r = kv_segment.SalvageSource(d, w.name, layout, fp)
+        assert r.writer_alive
+        run = r.find_run([1000, 1001, 1002, 1003, 999])
+        assert [b for b, _ in run] == [0, 1, 2, 3]
+        w.invalidate([2])  # reused by the writer while the reader copies
+        assert r.still_valid(run) == 2
+        w.commit(2, 1002)  # committed again: a new seq, still not the one read
+        assert r.still_valid(run) == 2
+        w.invalidate_all(kv_segment.fingerprint("m", "v2", layout))  # a weight swap
+        assert r.still_valid(run[:2]) == 0
+        assert r.find_run([1000]) == []
+        r.close()
+        assert oct(os.stat(w.path).st_mode & 0o777) == "0o600"
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def test_record_is_linear_and_bounded(tmp_path):
+    """The record is one (hash, seq) pair per block, read with numpy: no per-byte Python work."""
+    layout = kv_segment.KVLayout(num_layers=1, block_size=16, num_kv_heads=1, head_dim=8, dtype="float32",
+                                 num_blocks=4096)
+    fp = kv_segment.fingerprint("m", "", layout)
+    w = kv_segment.KVSegment(tmp_path, 0, layout, fp)
+    w.hashes[:] = np.arange(4096, dtype=np.uint64) + np.uint64(7)
+    w.seqs[:] = np.uint64(2)
+    r = kv_segment.SalvageSource(tmp_path, w.name, layout, fp)
+    assert len(r.find_run([7 + i for i in range(4096)])) == 4096
+    r.close()

@@ -1,0 +1,159 @@
+"""KV that outlives its engine, end to end (issue 29): `planaria serve` with 2 engines of the
+tiny-moe demo model in the host's default dtype. Streams with long prompts run twice: a
+fault-free pass, then a pass where the engine holding them is SIGKILLed mid-stream and, in a
+third pass, drained with a handover (`planaria drain`-style SIGUSR2 from the supervisor's
+restart). The survivor adopts the dead / drained engine's committed KV blocks from its
+segment (planaria_engine_salvaged_blocks grows) instead of prefilling the whole context, and
+every text equals the fault-free pass's. After `planaria serve` stops, no segment is left."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import re
+import signal
+import tempfile
+import time
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from bench.serve_stack import ENGINE_CONFIG, ServeStack
+from bench.streaming_load import stream_completion
+
+pytestmark = pytest.mark.timeout(400)
+NUM_STREAMS = 4
+
+
+def _bodies() -> list[dict]:
+    rng = random.Random(29)
+    words = "the of and a to in is you that it he was for on are as with his they at".split()
+    return [{"model": "tiny-moe", "prompt": f"{i} " + " ".join(rng.choice(words) for _ in range(300)),
+             "max_tokens": 600, "ignore_eos": True, "temperature": 0.0} for i in range(NUM_STREAMS)]
+
+
+def _pass(stack: ServeStack, bodies: list[dict], fault=None) -> list[dict]:
+    """The streams; ``fault`` runs (in a thread) once every stream has streamed 10 chunks."""
+    times: list[list[float]] = [[] for _ in bodies]
+
+    async def run() -> list[dict]:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=180)) as s:
+            async def chaos():
+                if fault is None:
+                    return
+                while min(len(t) for t in times) < 10:
+                    await asyncio.sleep(0.005)
+                await asyncio.get_running_loop().run_in_executor(None, fault)
+
+            results, _ = await asyncio.gather(
+                asyncio.gather(*[stream_completion(s, stack.base, b, chunk_times=t) for b, t in zip(bodies, times)]),
+                chaos())
+            return results
+
+    return asyncio.run(run())
+
+
+def _salvaged_blocks(stack: ServeStack) -> float:
+    return sum(v for k, v in stack.metrics().items() if k.startswith("planaria_engine_salvaged_blocks"))
+
+
+def _busiest(stack: ServeStack) -> int:
+    """The engine with the most requests running (its heartbeats' count)."""
+    for _ in range(500):
+        running = {e["engine_id"]: e.get("num_running") or 0 for e in stack.status()["engines"]}
+        if sum(running.values()):
+            return max(running, key=running.get)
+        time.sleep(0.01)
+    raise AssertionError(f"no engine reports requests running: {running}")
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_moe, tmp_path_factory):
+    s = ServeStack(tmp_path_factory.mktemp("salvage"), num_engines=2, hang_timeout_s=1.0,
+                   engine_config=dict(ENGINE_CONFIG, max_model_len=1024, kv_cache_bytes=32 * 2**20), model=tiny_moe,
+                   env={"PLANARIA_CPU_DTYPE": ""}, serve_args=("--parallel", "replica"))
+    try:
+        s.start(timeout_s=120)
+        yield s
+    finally:
+        s.close()
+
+
+def _segment_dir(stack: ServeStack) -> Path:
+    status = stack.status()
+    d = (status.get("kv_segments") or {}).get("dir")
+    assert d, f"status names no KV segment dir: {sorted(status)}"
+    return Path(d)
+
+
+def test_a_killed_engines_streams_continue_from_its_kv(stack):
+    bodies = _bodies()
+    first = _pass(stack, bodies)
+    assert all(r["error"] is None and r["status"] == 200 for r in first), first
+    seg_dir = _segment_dir(stack)
+    assert len([p for p in seg_dir.iterdir() if re.match(r"engine\d+-\d+\.kv$", p.name)]) == 2
+    before = _salvaged_blocks(stack)
+
+    def kill():
+        stack.fault(_busiest(stack), "kill")
+
+    second = _pass(stack, bodies, kill)
+    failed = [(i, r["status"], r["error"]) for i, r in enumerate(second) if r["error"] is not None or r["status"] != 200]
+    assert not failed, failed
+    differ = [i for i, (a, b) in enumerate(zip(first, second)) if a["text"] != b["text"]]
+    assert not differ, f"{len(differ)} of {NUM_STREAMS} differ: {differ}"
+    # each replay adopted the ~300-token context's committed blocks (tiny-moe: 16 per block)
+    assert _salvaged_blocks(stack) - before >= 10, stack.logs()
+    stack.wait_ready(90)
+
+
+def test_a_drained_engine_hands_its_streams_over_with_their_kv(stack):
+    bodies = _bodies()
+    stack.wait_ready(90)
+    first = _pass(stack, bodies)
+    before = _salvaged_blocks(stack)
+    moves_before = stack.metrics().get("planaria_request_moves_total", 0.0)
+
+    def drain():
+        engine = _busiest(stack)
+        pid = next(e["pid"] for e in stack.status()["engines"] if e["engine_id"] == engine)
+        os.kill(pid, signal.SIGUSR2)  # what the supervisor sends for a drain with survivors
+
+    second = _pass(stack, bodies, drain)
+    failed = [(i, r["status"], r["error"]) for i, r in enumerate(second) if r["error"] is not None or r["status"] != 200]
+    assert not failed, failed
+    differ = [i for i, (a, b) in enumerate(zip(first, second)) if a["text"] != b["text"]]
+    assert not differ, f"{len(differ)} of {NUM_STREAMS} differ: {differ}"
+    assert stack.metrics().get("planaria_request_moves_total", 0.0) > moves_before
+    assert _salvaged_blocks(stack) - before >= 10, stack.logs()
+    stack.wait_ready(90)
+
+
+def test_no_segment_outlives_serve(tiny_moe, tmp_path_factory):
+    """Stopped cleanly: the segment dir is gone. SIGKILLed with its engines: the next
+    `planaria serve` on that runtime dir sweeps what they left."""
+    root = tmp_path_factory.mktemp("salvage-stop")
+    s = ServeStack(root, num_engines=1, engine_config=dict(ENGINE_CONFIG, kv_cache_bytes=8 * 2**20), model=tiny_moe)
+    s.start(timeout_s=120)
+    seg_dir = _segment_dir(s)
+    engine_pid = s.status()["engines"][0]["pid"]
+    os.kill(s.proc.pid, signal.SIGKILL)  # the daemon (its children get SIGKILL from PDEATHSIG)
+    try:
+        os.kill(engine_pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    s.proc.wait(10)
+    assert any(p.name.endswith(".kv") for p in seg_dir.iterdir())
+    runtime, s.runtime = s.runtime, Path(tempfile.mkdtemp())  # close() removes the runtime dir
+    s.close()
+    s2 = ServeStack(root, num_engines=1, engine_config=dict(ENGINE_CONFIG, kv_cache_bytes=8 * 2**20), model=tiny_moe)
+    s2.runtime = runtime  # the same runtime dir: the same segment dir
+    try:
+        s2.start(timeout_s=120)
+        left = [p.name for p in _segment_dir(s2).iterdir()]
+        assert left == [f"engine0-{s2.status()['engines'][0]['pid']}.kv"], left
+    finally:
+        s2.close()
+    assert not seg_dir.exists() or not any(seg_dir.iterdir())
