@@ -797,7 +797,9 @@ class Supervisor:
                 "num_kv_blocks": hb.num_kv_blocks if hb else None,
                 "kv_source": hb.kv_source if hb else None,
                 "dtype": (hb.dtype or None) if hb else None,
-                "step_counter": hb.step_counter if hb else None})
+                "step_counter": hb.step_counter if hb else None,
+                "salvage": {"requests": hb.num_salvaged_requests, "blocks": hb.num_salvaged_blocks,
+                            "handed_over": hb.num_handed_over} if hb else None})
         ep = self.ep_status()
         if ep is not None:
             self.ep.annotate(engines, ep)

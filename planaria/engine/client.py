@@ -50,7 +50,8 @@ from planaria.common.sockets import CurveKeySet, bind_private, ipc_addresses, se
 from planaria.engine.errors import (EngineDeadError, EngineFaultError, EngineHandshakeError,
                            NoEngineAvailableError, UtilityCallError, WireFormatError)
 from planaria.engine.kv_router import Route, RouteReason, Router, RouteWeights, RoutingPolicy
-from planaria.engine.messages import EngineCoreOutput, EngineCoreRequest, KVCacheEvents, SchedulerStats
+from planaria.engine.messages import (REPLAY_ID_SEP, EngineCoreOutput, EngineCoreRequest, KVCacheEvents,
+                                     SchedulerStats)
 from planaria.engine.prefix_index import PrefixIndex
 from planaria.engine.wire import (DEFAULT_MAX_MESSAGE_BYTES, FRONTEND_INPUT_TYPES, KV_SEGMENT_NAME, PROTOCOL_VERSION,
                          AbortRequests, HandshakeInit, HandshakeReject, MsgType, Shutdown,
@@ -89,6 +90,9 @@ _GONE = (EngineInfoState.STOPPED, EngineInfoState.DEAD)
 # an engine in these states keeps no prefix index: it is gone, or takes no new requests
 _NO_INDEX = (EngineInfoState.DEAD, EngineInfoState.STOPPED, EngineInfoState.REFUSED, EngineInfoState.DRAINING)
 DEFAULT_BLOCK_SIZE = 16  # EngineConfig's: until an engine's READY says otherwise
+HANDOVER_PREFETCH_S = 3.0  # a survivor's KV copy for a handover, and the engine's hand_over, at most
+HANDOVER_PIN_S = 30.0  # a moved request goes to the engine that copied its KV if it comes within this
+MAX_HANDOVER_PINS = 4096
 
 
 @dataclass
@@ -147,13 +151,16 @@ class EngineInfo:
 
 
 class _Stream:
-    __slots__ = ("engine_index", "queue", "group_id", "num_prompt_tokens")
+    __slots__ = ("engine_index", "queue", "group_id", "num_prompt_tokens", "request", "output_ids")
 
-    def __init__(self, engine_index: int, group_id: str | None = None, num_prompt_tokens: int = 0) -> None:
+    def __init__(self, engine_index: int, group_id: str | None = None, num_prompt_tokens: int = 0,
+                 request: EngineCoreRequest | None = None) -> None:
         self.engine_index = engine_index
         self.queue: asyncio.Queue = asyncio.Queue()
         self.group_id = group_id
         self.num_prompt_tokens = num_prompt_tokens  # until its first output is counted, then 0
+        self.request = request  # as sent (its prompt: a handover's survivor copies its KV)
+        self.output_ids: list[int] = []  # tokens the engine sent for it so far
 
 
 class EngineClient:
@@ -194,6 +201,9 @@ class EngineClient:
         self._dec = WireDecoder(FRONTEND_INPUT_TYPES, max_message_bytes=max_message_bytes)
         self._ctx: zmq.asyncio.Context | None = None
         self._tasks: list[asyncio.Task] = []
+        self._handover_tasks: set[asyncio.Task] = set()  # _hand_over, one per draining engine
+        # original request id -> (engine that copied its KV for a handover, when)
+        self._handover_pins: dict[str, tuple[int, float]] = {}
         self._closed = False
         self.num_bad_messages = 0  # messages the readers could not use (see _router_loop)
         # fn(engine_index, reason), on the loop, when an engine's in-flight work is lost
@@ -349,16 +359,23 @@ class EngineClient:
             request = msgspec.structs.replace(request, client_index=self.client_index)
         tried: set[int] = set()
         group = request.group_id
+        # a request a draining engine handed over goes where its KV was copied (prefetch_kv)
+        pin = self._handover_pins.pop(rid.split(REPLAY_ID_SEP, 1)[0], None) if request.kv_salvage else None
+        pin = pin[0] if pin is not None and pin[1] > time.monotonic() - HANDOVER_PIN_S else None
         while True:
             index = self._group_engine(group, tried)
             if index is not None:
                 route = Route(index, RouteReason.GROUP)
+            elif pin is not None and pin not in tried and self._engines.get(pin) is not None \
+                    and self._engines[pin].healthy:
+                route = Route(pin, RouteReason.PREFIX)
+                index = pin
             else:
                 route = self._route(request, tried, route.hashes if tried else None)
                 index = route.index
             tried.add(index)
             if self._send(index, MsgType.ADD, request):
-                stream = self._streams[rid] = _Stream(index, group, len(request.prompt_token_ids))
+                stream = self._streams[rid] = _Stream(index, group, len(request.prompt_token_ids), request)
                 info = self._engines[index]
                 info.num_in_flight += 1
                 self._count_route(info, route)
@@ -650,7 +667,45 @@ class EngineClient:
                     info.num_routed_prompt_tokens += stream.num_prompt_tokens
                     info.num_routed_cached_tokens += min(max(0, out.num_cached_tokens), stream.num_prompt_tokens)
                     stream.num_prompt_tokens = 0  # counted once, at its first output
+                if out.new_token_ids:
+                    stream.output_ids += out.new_token_ids
                 stream.queue.put_nowait(out)
+
+    async def _hand_over(self, index: int, pid: int | None) -> None:
+        """Engine ``index`` drains handing its requests over (engine/proc.py): for each of
+        this client's requests there, a survivor (routed as a new request would be) copies
+        the KV committed so far from the engine's segment while the engine keeps decoding;
+        then the engine drops them (utility "hand_over") and the journal moves them, each
+        to the engine that copied its KV, where only what was committed since is copied."""
+        info = self._engines.get(index)
+        segment = info.kv_segment if info is not None else ""
+        streams = [(rid, st) for rid, st in self._streams.items() if st.engine_index == index]
+
+        async def prefetch(rid: str, st: _Stream) -> None:
+            req = st.request
+            if req is None or not segment or req.sampling_params.prompt_logprobs is not None:
+                return
+            target = self._route(req, {index}, None).index
+            try:
+                await self.call_utility(target, "prefetch_kv", {
+                    "segment": segment, "token_ids": list(req.prompt_token_ids) + st.output_ids,
+                    **({"cache_salt": req.cache_salt} if req.cache_salt else {})}, timeout_s=HANDOVER_PREFETCH_S)
+            except Exception as exc:  # noqa: BLE001 - the move copies everything itself then
+                log.info("engine %d: KV prefetch of %s on engine %d failed: %s", index, rid, target, exc)
+                return
+            now = time.monotonic()
+            if len(self._handover_pins) > MAX_HANDOVER_PINS:  # pins of moves that never came
+                self._handover_pins = {k: v for k, v in self._handover_pins.items() if v[1] > now - HANDOVER_PIN_S}
+            self._handover_pins[rid.split(REPLAY_ID_SEP, 1)[0]] = (target, now)
+
+        try:
+            if streams and segment:
+                await asyncio.gather(*(prefetch(rid, st) for rid, st in streams))
+            info = self._engines.get(index)
+            if info is not None and info.pid == pid and info.state == EngineInfoState.DRAINING:
+                await self.call_utility(index, "hand_over", {}, timeout_s=HANDOVER_PREFETCH_S)
+        except Exception as exc:  # noqa: BLE001 - the engine hands everything over at its deadline
+            log.warning("engine %d: handover request failed: %s", index, exc)
 
     def _on_kv_events(self, info: EngineInfo, events: KVCacheEvents) -> None:
         """Into the engine's prefix index, when they are its current process's and it keeps one."""
@@ -672,6 +727,10 @@ class EngineClient:
         self._set_state(info, state, status.reason)
         if state in _NO_INDEX or status.requests_dropped:
             self._drop_index(info)
+        if status.handover_pending and state == EngineInfoState.DRAINING and not self._closed:
+            task = asyncio.ensure_future(self._hand_over(info.index, info.pid))
+            self._handover_tasks.add(task)
+            task.add_done_callback(self._handover_tasks.discard)
         if status.requests_dropped or state in _GONE:
             error_type = EngineDeadError if state in _GONE else EngineFaultError
             info.handing_over = bool(status.handed_over and status.requests_dropped)

@@ -56,7 +56,8 @@ class SalvageStats:
 
     num_requests: int = 0  # replays that asked
     num_refused: int = 0  # segment unusable: recomputed
-    num_blocks: int = 0  # blocks adopted
+    num_blocks: int = 0  # blocks adopted (prefetched ones included)
+    num_prefetched_blocks: int = 0  # adopted ahead of a handover (prefetch_kv)
     copy_s: float = 0.0
 
 
@@ -194,15 +195,22 @@ class EngineCore:
 
     def _adopt_blocks(self, req: Request, name: str) -> int:
         from planaria.engine.block_pool import hash_request_blocks
+
+        if req.wants_prompt_logprobs:
+            raise SalvageRefused("the request wants prompt logprobs: every position runs through the model")
+        hashes = hash_request_blocks(req.all_token_ids, self.kv.block_size, req.block_hashes, req.cache_salt)
+        # as get_computed_blocks: one token is left to compute
+        return self._adopt(hashes[:(req.num_tokens - 1) // self.kv.block_size], name)
+
+    def _adopt(self, wanted: list[int], name: str) -> int:
+        """Adopt the leading run of the chain ``wanted`` (block hashes) that is not cached
+        here from segment ``name``: copied into free blocks, cached under their hashes."""
         from planaria.engine.kv_segment import SalvageSource, copy_blocks, segment_dir
 
         seg = self.runner.kv_segment
         directory = segment_dir()
-        if seg is None or directory is None or not self.kv.enable_caching or req.wants_prompt_logprobs:
+        if seg is None or directory is None or not self.kv.enable_caching:
             raise SalvageRefused("this engine keeps no KV segment")
-        bs = self.kv.block_size
-        hashes = hash_request_blocks(req.all_token_ids, bs, req.block_hashes, req.cache_salt)
-        wanted = hashes[:(req.num_tokens - 1) // bs]  # as get_computed_blocks: one token left to compute
         i = 0
         while i < len(wanted) and self.kv.pool.lookup(wanted[i]) is not None:
             i += 1  # already cached here
@@ -222,6 +230,32 @@ class EngineCore:
             return self.kv.import_blocks(wanted[i:i + len(run)], copy) if run else 0
         finally:
             src.close()
+
+    def prefetch_kv(self, segment: str, token_ids: list[int], cache_salt: str | None = None) -> int:
+        """The bulk of a handover, copied while the draining engine still decodes: adopt the
+        committed blocks of ``token_ids`` (a request's prompt and output so far, with its
+        salt) from ``segment`` into this engine's prefix cache, where the request's move
+        finds them; only the blocks committed after this are copied then. Returns the
+        number of blocks adopted; a segment that cannot be used adopts none."""
+        from planaria.engine.block_pool import hash_request_blocks
+
+        if not isinstance(segment, str) or len(segment) > 64:
+            raise ValueError("segment must be a segment name")
+        if not isinstance(token_ids, list) or len(token_ids) > self.max_model_len or not all(
+                type(t) is int and 0 <= t < self.vocab_size for t in token_ids):
+            raise ValueError(f"token_ids must be a list of at most {self.max_model_len} token ids")
+        if cache_salt is not None and (not isinstance(cache_salt, str) or not 0 < len(cache_salt) <= MAX_CACHE_SALT_CHARS):
+            raise ValueError(f"cache_salt must be a string of 1 to {MAX_CACHE_SALT_CHARS} characters")
+        t0 = time.perf_counter()
+        try:
+            adopted = self._adopt(hash_request_blocks(token_ids, self.kv.block_size, [], cache_salt), segment)
+        except SalvageRefused as exc:
+            log.info("prefetch refused", segment=segment, reason=str(exc))
+            return 0
+        self.salvage.num_blocks += adopted
+        self.salvage.num_prefetched_blocks += adopted
+        self.salvage.copy_s += time.perf_counter() - t0
+        return adopted
 
     def _make_request(self, ecr: EngineCoreRequest) -> Request:
         rid = ecr.request_id

@@ -43,6 +43,11 @@ class Heartbeat(msgspec.Struct, kw_only=True, omit_defaults=True):
     num_kv_blocks: int = 0
     kv_source: str = ""
     dtype: str = ""  # the compute dtype and why, e.g. "bfloat16 (auto: CPU has amx_bf16)"
+    # KV salvage (engine/kv_segment.py), since the process started: requests that came with
+    # a dead or draining engine's KV and the blocks adopted; requests it handed over
+    num_salvaged_requests: int = 0
+    num_salvaged_blocks: int = 0
+    num_handed_over: int = 0
     timestamp: float = 0.0  # the engine's time.time(), for logs only
     exit_sentinel_tids: list[int] = []  # threads that end only when the process does
 

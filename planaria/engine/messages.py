@@ -47,6 +47,8 @@ class EngineCoreRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
 
 
 MAX_CACHE_SALT_CHARS = 256
+# A replay's request id: the original's, this, and the replay's number (frontend/journal.py)
+REPLAY_ID_SEP = "~r"
 # A batch of KV cache events holds at most this many hashes per list; an engine cuts its
 # snapshot to it, and a frontend refuses a longer one (msgspec, at decode).
 MAX_KV_EVENT_HASHES = 1 << 18

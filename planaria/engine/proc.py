@@ -71,6 +71,7 @@ from planaria.engine.wire import (DEFAULT_MAX_MESSAGE_BYTES, PROTOCOL_VERSION, E
 # The supervisor's "drain, handing the requests over" (other engines serve): SIGTERM's drain,
 # but the in-flight requests move at once, their KV adopted from this engine's segment.
 HANDOVER_SIGNAL = signal.SIGUSR2
+HANDOVER_WAIT_S = 5.0  # a frontend that did not ask for its requests by then gets them anyway
 log = logging.getLogger(__name__)
 
 FAULT_INJECTION_ENV = envs.FAULT_INJECTION
@@ -117,6 +118,8 @@ class EngineCoreProc:
         self._fault_injection = envs.get().fault_injection  # read once, at process start
         self._links: list[FrontendLink] = []
         self._handover = False  # HANDOVER_SIGNAL came: a drain hands the requests over
+        self._handover_deadline: float | None = None  # by when the requests not asked for go anyway
+        self._num_handed_over = 0
 
     @property
     def state(self) -> EngineState:
@@ -232,7 +235,9 @@ class EngineCoreProc:
                          num_running=stats.num_running, num_waiting=stats.num_waiting,
                          kv_usage=stats.kv_usage, kv_cache_bytes=core.kv_cache_bytes,
                          num_kv_blocks=core.num_kv_blocks, kv_source=core.kv_source,
-                         dtype=self._dtype_text, timestamp=time.time())
+                         dtype=self._dtype_text, timestamp=time.time(),
+                         num_salvaged_requests=stats.num_salvaged_requests,
+                         num_salvaged_blocks=stats.num_salvaged_blocks, num_handed_over=self._num_handed_over)
 
     def _abort_eagerly(self, slot: int, request_ids: list[str]) -> None:
         """Input thread: hand this frontend's in-flight requests among ``request_ids`` to
@@ -268,6 +273,10 @@ class EngineCoreProc:
 
     def _process_inputs(self, block_s: float | None = 0.0) -> None:
         """Block up to ``block_s`` (None: no limit) for the first item, then drain the queue."""
+        if self._handover_deadline is not None and time.monotonic() >= self._handover_deadline:
+            log.warning("engine %d: %d request(s) not asked for within %.1f s of the handover: handed over now",
+                        self.engine_index, len(self._req_slot), HANDOVER_WAIT_S)
+            self._hand_over(None)
         if block_s is None or block_s > 0:
             try:
                 self._handle(*self.input_queue.get(timeout=block_s))
@@ -287,6 +296,14 @@ class EngineCoreProc:
             ids = [rid for rid in msg.request_ids if self._req_slot.get(rid) == slot]
             if ids:
                 self.core.abort_requests(ids)
+        elif msg_type == MsgType.UTILITY and msg.method == "hand_over":  # needs the caller's slot
+            if self._handover_deadline is None and not self._handover:
+                result = UtilityResult(call_id=msg.call_id, ok=False, engine_index=self.engine_index,
+                                       error="no handover in progress", code=UtilityErrorCode.BAD_STATE.value)
+            else:
+                result = UtilityResult(call_id=msg.call_id, ok=True, engine_index=self.engine_index,
+                                       result={"handed_over": self._hand_over(slot)})
+            self.output_queue.put((slot, MsgType.UTILITY_RESULT, result))
         elif msg_type == MsgType.UTILITY:
             self.output_queue.put((slot, MsgType.UTILITY_RESULT, self._utility(msg)))
             self._publish_kv_events()
@@ -410,10 +427,12 @@ class EngineCoreProc:
                     self._step()
                 case SetState(state=state, reason=reason, drop_requests=drop):
                     if state is EngineState.DRAINING and not drop and self._can_hand_over():
-                        # the requests move with their KV; this engine writes no block while
-                        # it drains (it has no request left), so the segment stays as it is
-                        self._send_status(state, f"{reason}; requests handed over", self._drop_all_requests(),
-                                          handed_over=True)
+                        # The requests move with their KV: decoding goes on while each frontend
+                        # has survivors copy the bulk, then asks for its requests (hand_over).
+                        self._handover_deadline = time.monotonic() + HANDOVER_WAIT_S
+                        self.output_queue.put((None, MsgType.STATUS, EngineStatus(
+                            engine_index=self.engine_index, state=state.value, pid=os.getpid(),
+                            reason=f"{reason}; handing its requests over", handover_pending=True)))
                         continue
                     self._send_status(state, reason, self._drop_all_requests() if drop else False)
                 case Stop(aborted=aborted):
@@ -445,6 +464,27 @@ class EngineCoreProc:
         self.output_queue.put((None, MsgType.STATUS, EngineStatus(
             engine_index=self.engine_index, state=state.value, reason=reason,
             requests_dropped=requests_dropped, pid=os.getpid(), handed_over=handed_over and requests_dropped)))
+
+    def _hand_over(self, slot: int | None) -> int:
+        """Drop the requests of frontend ``slot`` (None: of every frontend) as handed over:
+        that frontend moves them, naming this engine's KV segment. Once handed over, a
+        request's blocks are never written again here (no new request comes to a draining
+        engine), so the segment holds them as they were."""
+        ids = [rid for rid, s in self._req_slot.items() if slot is None or s == slot]
+        for rid in ids:
+            del self._req_slot[rid]
+        self._num_handed_over += len(ids)
+        if ids:
+            try:
+                self.core.abort_requests(ids)
+            except Exception:
+                log.exception("abort of %d handed-over requests failed", len(ids))
+        if slot is None or not self._req_slot:
+            self._handover_deadline = None
+        self.output_queue.put((slot, MsgType.STATUS, EngineStatus(
+            engine_index=self.engine_index, state=self.state.value, reason="requests handed over",
+            requests_dropped=bool(ids), pid=os.getpid(), handed_over=bool(ids))))
+        return len(ids)
 
     def _can_hand_over(self) -> bool:
         runner = getattr(self.core, "runner", None)
@@ -516,6 +556,11 @@ class EngineCoreProc:
     def _u_ping(self) -> dict:
         return {"pid": os.getpid(), "state": self.state.value, "step_counter": self.core.step_counter,
                 "num_requests": len(self._req_slot), "time": time.time()}
+
+    def _u_prefetch_kv(self, segment: str, token_ids: list[int], cache_salt: str | None = None) -> dict:
+        """A survivor's share of a handover: copy the committed KV of a request of the
+        draining engine whose segment is ``segment`` now (EngineCore.prefetch_kv)."""
+        return {"blocks": self.core.prefetch_kv(segment, token_ids, cache_salt)}
 
     def _u_get_stats(self):
         return self.core.get_stats()

@@ -192,6 +192,10 @@ class EngineStatus(msgspec.Struct, kw_only=True, omit_defaults=True):
     # with requests_dropped: a draining engine handed them over (their KV stays in its
     # segment, unwritten, while it drains): move them, no fault
     handed_over: bool = False
+    # DRAINING with a handover to come: the engine keeps decoding while each frontend has the
+    # survivors copy the bulk of its requests' KV (utility "prefetch_kv"), then asks it to
+    # hand them over (utility "hand_over"); past HANDOVER_WAIT_S it hands the rest over anyway
+    handover_pending: bool = False
 
 
 class WireError(msgspec.Struct, kw_only=True, omit_defaults=True):

@@ -55,7 +55,7 @@ from typing import Callable
 
 import msgspec
 
-from planaria.engine.messages import EngineCoreRequest
+from planaria.engine.messages import REPLAY_ID_SEP, EngineCoreRequest
 
 DEFAULT_MAX_REPLAYS = 20  # a safety net: the quarantine stops a request that kills engines
 DEFAULT_QUARANTINE_AFTER = 2  # engines that died with the request in flight
@@ -71,7 +71,6 @@ HOLD_FOR_CAUSE_S = 2.0
 # engines serve (for at most SUSPECT_WAIT_S), so that crash leaves a survivor for the rest.
 SUSPECT_STAGGER_S = 0.3
 SUSPECT_WAIT_S = 60.0
-REPLAY_ID_SEP = "~r"
 
 
 @dataclass

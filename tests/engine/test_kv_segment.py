@@ -212,3 +212,36 @@ def test_record_is_linear_and_bounded(tmp_path):
     r = kv_segment.SalvageSource(tmp_path, w.name, layout, fp)
     assert len(r.find_run([7 + i for i in range(4096)])) == 4096
     r.close()
+
+
+def test_prefetch_copies_the_bulk_while_the_source_decodes(tiny_moe, seg_dir, reference, monkeypatch):
+    """A handover's pre-copy: the survivor adopts what the draining engine committed so far
+    while it keeps decoding; the move then copies only the blocks committed since."""
+    a = _core(tiny_moe, 1, monkeypatch)
+    a.add_request(_req("r", PROMPT, TOTAL))
+    early = _run(a, "r", limit=4)
+    b = _core(tiny_moe, 2, monkeypatch)
+    bs = b.kv.block_size
+    assert b.prefetch_kv(a.runner.kv_segment.name, PROMPT + early) == (len(PROMPT) + len(early) - 1) // bs
+    emitted = early + _run(a, "r", limit=CUT - len(early))  # the source went on meanwhile
+    emitted = emitted[:CUT]
+    before = b.salvage.num_blocks
+    rest = _replay(b, emitted, a.runner.kv_segment.name)
+    context = len(PROMPT) + len(emitted)
+    assert b.salvage.num_blocks - before == (context - 1) // bs - (len(PROMPT) + len(early) - 1) // bs
+    if _exact(b):
+        assert emitted + rest == reference
+
+
+@pytest.mark.parametrize("args", [
+    {"segment": "engine1-1.kv", "token_ids": [10**9]},
+    {"segment": "engine1-1.kv", "token_ids": "abc"},
+    {"segment": "engine1-1.kv", "token_ids": [1] * 100_000},
+    {"segment": "x" * 1000, "token_ids": [1, 2]},
+    {"segment": "engine1-1.kv", "token_ids": [1, 2], "cache_salt": ""},
+])
+def test_prefetch_refuses_hostile_arguments(tiny_moe, seg_dir, monkeypatch, args):
+    b = _core(tiny_moe, 2, monkeypatch)
+    with pytest.raises(ValueError):
+        b.prefetch_kv(**args)
+    assert b.prefetch_kv("engine7-7.kv", [1] * 40) == 0  # no such segment: nothing adopted, no error

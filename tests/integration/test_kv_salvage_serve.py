@@ -1,8 +1,9 @@
 """KV that outlives its engine, end to end (issue 29): `planaria serve` with 2 engines of the
-tiny-moe demo model in the host's default dtype. Streams with long prompts run twice: a
+tiny-moe demo model in the host's default dtype (replicas, and expert-parallel ranks). Streams with long prompts run twice: a
 fault-free pass, then a pass where the engine holding them is SIGKILLed mid-stream and, in a
-third pass, drained with a handover (`planaria drain`-style SIGUSR2 from the supervisor's
-restart). The survivor adopts the dead / drained engine's committed KV blocks from its
+third pass, drained with a handover (the SIGUSR2 the supervisor sends for a drain, restart
+or scale-down while another engine serves: the survivor copies the bulk of each request's
+KV while the engine still decodes, then the requests move). The survivor adopts the dead / drained engine's committed KV blocks from its
 segment (planaria_engine_salvaged_blocks grows) instead of prefilling the whole context, and
 every text equals the fault-free pass's. After `planaria serve` stops, no segment is left."""
 
@@ -69,11 +70,12 @@ def _busiest(stack: ServeStack) -> int:
     raise AssertionError(f"no engine reports requests running: {running}")
 
 
-@pytest.fixture(scope="module")
-def stack(tiny_moe, tmp_path_factory):
+@pytest.fixture(scope="module", params=["replica", "ep"])
+def stack(request, tiny_moe, tmp_path_factory):
+    """2 engines: replicas, or expert-parallel ranks (each holds the KV of its own requests)."""
     s = ServeStack(tmp_path_factory.mktemp("salvage"), num_engines=2, hang_timeout_s=1.0,
                    engine_config=dict(ENGINE_CONFIG, max_model_len=1024, kv_cache_bytes=32 * 2**20), model=tiny_moe,
-                   env={"PLANARIA_CPU_DTYPE": ""}, serve_args=("--parallel", "replica"))
+                   env={"PLANARIA_CPU_DTYPE": ""}, serve_args=("--parallel", request.param))
     try:
         s.start(timeout_s=120)
         yield s

@@ -105,12 +105,27 @@ def render(data: dict[str, Any]) -> str:
         lines.append(standby_line(data["standby"]))
     if data.get("routing"):
         lines.append(routing_line(data["routing"]))
+    if data.get("kv_segments"):
+        lines.append(kv_salvage_line(data["kv_segments"], data["engines"]))
     lines.append("")
     lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
     for e in data["engines"]:
         if e["state"] in ("backoff", "failed", "drained", "waiting") and e["reason"]:
             lines.append(f"engine {e['engine_id']}: {e['reason']}")
     return "\n".join(lines)
+
+
+def kv_salvage_line(segments: dict[str, Any], engines: list[dict[str, Any]]) -> str:
+    """KV salvage (docs/kv_salvage.md): the segment dir, and per engine what it adopted from
+    a dead or draining engine (requests/blocks) and handed over."""
+    if segments.get("dir") is None:
+        return f"kv salvage: off ({segments.get('error') or 'no segment dir'})"
+    text = (f"kv salvage: {segments['dir']}, {segments.get('num_files', 0)} segment(s) "
+            f"({segments.get('num_kept', 0)} kept for salvage), {_fmt_bytes(segments.get('bytes'))}")
+    parts = [f"engine {e['engine_id']} adopted {s['blocks']} block(s) for {s['requests']} request(s), "
+             f"handed {s['handed_over']} over" for e in engines if (s := e.get("salvage"))
+             and (s["requests"] or s["handed_over"])]
+    return text + ("; " + "; ".join(parts) if parts else "")
 
 
 def routing_cells(r: dict[str, Any] | None) -> tuple[str, str]:
