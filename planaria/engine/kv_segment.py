@@ -335,6 +335,11 @@ def copy_blocks(dst_blocks: torch.Tensor, src: SalvageSource, src_ids: list[int]
     """K and V of ``src_ids`` (in ``src``) into ``dst_ids`` of this engine's cache."""
     if not src_ids:
         return
-    s = torch.tensor(src_ids, dtype=torch.long)
-    d = torch.tensor(dst_ids, dtype=torch.long)
-    dst_blocks[:, :, d] = src.blocks[:, :, s]
+    # Runs consecutive in both (a request's blocks usually are, and so are free blocks taken
+    # together): one strided copy each, in place, instead of a gather and a scatter.
+    start = 0
+    for i in range(1, len(src_ids) + 1):
+        if i == len(src_ids) or src_ids[i] != src_ids[i - 1] + 1 or dst_ids[i] != dst_ids[i - 1] + 1:
+            s0, d0, n = src_ids[start], dst_ids[start], i - start
+            dst_blocks[:, :, d0:d0 + n].copy_(src.blocks[:, :, s0:s0 + n])
+            start = i

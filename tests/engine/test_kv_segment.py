@@ -245,3 +245,26 @@ def test_prefetch_refuses_hostile_arguments(tiny_moe, seg_dir, monkeypatch, args
     with pytest.raises(ValueError):
         b.prefetch_kv(**args)
     assert b.prefetch_kv("engine7-7.kv", [1] * 40) == 0  # no such segment: nothing adopted, no error
+
+
+def test_copy_blocks_runs_and_scattered(tmp_path):
+    """Blocks copied by runs where both sides are consecutive, one by one elsewhere: every
+    destination block holds its source block, nothing else is touched."""
+    layout = kv_segment.KVLayout(num_layers=2, block_size=2, num_kv_heads=1, head_dim=4, dtype="float32",
+                                 num_blocks=16)
+    fp = kv_segment.fingerprint("m", "", layout)
+    w = kv_segment.KVSegment(tmp_path, 0, layout, fp)
+    for b in range(16):
+        w.blocks[:, :, b] = float(b + 1)
+    r = kv_segment.SalvageSource(tmp_path, w.name, layout, fp)
+    dst = np.zeros((2, 2, 16, 8), dtype=np.float32)
+    import torch
+
+    d = torch.from_numpy(dst)
+    src_ids, dst_ids = [3, 4, 5, 9, 2, 10, 11], [0, 1, 2, 7, 3, 12, 13]
+    kv_segment.copy_blocks(d, r, src_ids, dst_ids)
+    for s_, d_ in zip(src_ids, dst_ids):
+        assert (dst[:, :, d_] == s_ + 1).all()
+    untouched = [b for b in range(16) if b not in dst_ids]
+    assert (dst[:, :, untouched] == 0).all()
+    r.close()
