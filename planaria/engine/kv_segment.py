@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import threading
 import time
 from pathlib import Path
 
@@ -140,6 +141,25 @@ def fingerprint(model_id: str, weight_version: str, layout: KVLayout) -> bytes:
     return h.digest()
 
 
+MADV_POPULATE_READ = 22  # Linux 5.14: map the pages of a range now (read / write faults)
+MADV_POPULATE_WRITE = 23
+
+
+def _populate(mm: mmap.mmap, start: int, length: int, advice: int) -> None:
+    """Fault ``[start, start + length)`` of ``mm`` in at once (page aligned); nothing on a
+    kernel without MADV_POPULATE_* (Linux < 5.14)."""
+    page = mmap.PAGESIZE
+    begin = start - start % page
+    end = min(len(mm), -(-(start + length) // page) * page)
+    try:
+        mm.madvise(advice, begin, end - begin)
+    except OSError as exc:
+        import errno
+
+        if exc.errno != errno.EINVAL:
+            raise
+
+
 def weights_identity(model_dir: str, version: str = "") -> str:
     """The weights in place, for the fingerprint: the checkpoint's config and each weight
     file's name, size and modification time (engines of one node read the same files), and
@@ -187,8 +207,8 @@ class KVSegment:
             fd = os.open(self.path, flags, 0o600)
         try:
             # The pages now, not at first touch: a tmpfs that is full (other engines' caches,
-            # dead ones kept for salvage) fails here (ENOSPC: the caller falls back to private
-            # memory), never with a SIGBUS in the middle of a forward. ~0.3 s per GiB.
+            # dead ones kept for salvage) fails here (ENOSPC: the caller falls back to
+            # private memory), never with a SIGBUS in the middle of a forward. ~0.25 s per GiB.
             os.posix_fallocate(fd, 0, size)
             self._mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         except BaseException:
@@ -214,6 +234,18 @@ class KVSegment:
             layout.num_layers, 2, layout.num_blocks * layout.block_size, layout.num_kv_heads, layout.head_dim)
         self.blocks = _blocks_view(self.kv, layout)
         self.num_committed = 0  # commits made (a block re-committed counts again)
+        # Mapped in the background, so that a salvage writing a context's blocks at once
+        # takes no page faults (two thirds of its time); the engine serves meanwhile.
+        self._populating = threading.Thread(target=self._populate_all, name="kv-segment-populate", daemon=True)
+        self._populating.start()
+
+    def _populate_all(self) -> None:
+        chunk = 64 << 20
+        try:
+            for start in range(self.data_offset, len(self._mm), chunk):
+                _populate(self._mm, start, min(chunk, len(self._mm) - start), MADV_POPULATE_WRITE)
+        except (OSError, ValueError):  # an old kernel, or the mapping closed: faults on first touch
+            pass
 
     # -- the record (engine thread only) ------------------------------------------------
     def invalidate(self, block_ids) -> None:
@@ -335,6 +367,18 @@ def copy_blocks(dst_blocks: torch.Tensor, src: SalvageSource, src_ids: list[int]
     """K and V of ``src_ids`` (in ``src``) into ``dst_ids`` of this engine's cache."""
     if not src_ids:
         return
+    # The source pages are the dead engine's: mapped here at once, run by run (page
+    # faults one by one cost more than the copy)
+    layout = src.layout
+    block_bytes = layout.block_size * layout.num_kv_heads * layout.head_dim * layout.elem_bytes
+    plane = layout.num_blocks * block_bytes  # one layer's K (or V)
+    start = 0
+    for i in range(1, len(src_ids) + 1):
+        if i == len(src_ids) or src_ids[i] != src_ids[i - 1] + 1:
+            for p in range(layout.num_layers * 2):
+                _populate(src._mm, src.header.data_offset + p * plane + src_ids[start] * block_bytes,
+                          (i - start) * block_bytes, MADV_POPULATE_READ)
+            start = i
     # Runs consecutive in both (a request's blocks usually are, and so are free blocks taken
     # together): one strided copy each, in place, instead of a gather and a scatter.
     start = 0
