@@ -122,6 +122,75 @@ def segment_dir_path(runtime_dir: str | os.PathLike, *, uid: int | None = None,
     return Path(shm_root) / f"planaria-{os.geteuid() if uid is None else uid}-{digest}"
 
 
+OWNER_FILE = "owner"  # in a segment dir: "PID START_TICKS" of the daemon that holds it
+
+
+def _start_ticks(pid: int) -> int | None:
+    """Process ``pid``'s start time (clock ticks since boot); None: gone, or a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            data = f.read(4096)
+    except OSError:
+        return None
+    rest = data[data.rfind(b")") + 2:].split()
+    if not rest or rest[0] == b"Z":
+        return None
+    try:
+        return int(rest[19])
+    except (IndexError, ValueError):
+        return None
+
+
+def sweep_orphans(keep: Path, shm_root: str = SHM_ROOT) -> int:
+    """Remove this user's ``planaria-UID-*`` segment dirs under ``shm_root`` (but ``keep``)
+    whose owner daemon is gone (a daemon SIGKILLed, its runtime dir never used again: no
+    later start of it would sweep them). A dir without a readable owner file is left alone.
+    Returns how many were removed."""
+    prefix = f"planaria-{os.geteuid()}-"
+    removed = 0
+    try:
+        names = os.listdir(shm_root)
+    except OSError:
+        return 0
+    for name in names:
+        path = Path(shm_root) / name
+        if not name.startswith(prefix) or path == keep:
+            continue
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:
+            continue
+        try:
+            if os.fstat(fd).st_uid != os.geteuid():
+                continue
+            try:
+                ofd = os.open(OWNER_FILE, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+            except OSError:
+                continue
+            with os.fdopen(ofd, "rb") as f:
+                owner = f.read(64).split()
+            try:
+                pid, ticks = int(owner[0]), int(owner[1])
+            except (IndexError, ValueError):
+                continue
+            if _start_ticks(pid) == ticks:
+                continue  # its daemon runs
+            for entry in os.listdir(fd):
+                if entry == OWNER_FILE or segment_pid(entry) is not None:
+                    try:
+                        os.unlink(entry, dir_fd=fd)
+                    except OSError:
+                        pass
+        finally:
+            os.close(fd)
+        try:
+            os.rmdir(path)
+            removed += 1
+        except OSError:
+            pass
+    return removed
+
+
 class KVSegmentDir:
     """The directory, made (or taken, when safe) and held open; see the module's doc."""
 
@@ -187,9 +256,20 @@ class KVSegmentDir:
     # -- the lifecycle --------------------------------------------------------------------
     def sweep(self) -> int:
         """At start: remove every ``engine*.kv`` left by an earlier daemon (none of its
-        engines outlived it: they die with their supervisor); returns how many."""
-        return sum(self._unlink(name) for name in self._entries()
-                   if name.startswith("engine") and name.endswith(".kv"))
+        engines outlived it: they die with their supervisor); returns how many. Then say
+        whose the directory is (``owner``: this daemon's pid and start time), and remove the
+        directories under /dev/shm of this user's daemons that died without cleaning up and
+        whose runtime dir was another (``sweep_orphans``)."""
+        removed = sum(self._unlink(name) for name in self._entries()
+                      if name.startswith("engine") and name.endswith(".kv"))
+        if self._fd is not None:
+            fd = os.open(OWNER_FILE, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC,
+                         0o600, dir_fd=self._fd)
+            with os.fdopen(fd, "w") as f:
+                f.write(f"{os.getpid()} {_start_ticks(os.getpid()) or 0}\n")
+        if self.path.parent == Path(SHM_ROOT):
+            sweep_orphans(self.path)
+        return removed
 
     def schedule_removal(self, pid: int, at_monotonic: float) -> None:
         """Remove the segments of process ``pid`` at ``at_monotonic`` (the later of two

@@ -150,8 +150,31 @@ def test_sweep_removes_what_a_previous_daemon_left(shm_dir):
         touch(d.path, name)
     (d.path / "engine9-9.kv").mkdir()  # a directory is never removed
     assert d.sweep() == 3
-    assert sorted(os.listdir(d.path)) == ["engine0-1.kv.tmp", "engine9-9.kv", "notes.txt"]
+    assert sorted(os.listdir(d.path)) == ["engine0-1.kv.tmp", "engine9-9.kv", "notes.txt", "owner"]
+    assert (d.path / "owner").read_text().split()[0] == str(os.getpid())  # this daemon holds it
     d.remove_all()
+
+
+def test_dirs_of_daemons_that_died_elsewhere_are_swept(tmp_path):
+    """A daemon SIGKILLed whose runtime dir is never used again leaves its /dev/shm dir: the
+    next daemon of the user removes it (its owner is dead), not one whose owner runs, not one
+    without an owner file, not another user's name."""
+    from planaria.daemon import kv_segments
+
+    uid = os.geteuid()
+    dead = tmp_path / f"planaria-{uid}-dead"
+    alive = tmp_path / f"planaria-{uid}-alive"
+    unknown = tmp_path / f"planaria-{uid}-unknown"
+    other = tmp_path / f"planaria-{uid + 1}-x"
+    for d in (dead, alive, unknown, other):
+        d.mkdir()
+        touch(d, "engine0-5.kv")
+    (dead / "owner").write_text("999999 12345\n")  # no such process
+    (other / "owner").write_text("999999 12345\n")
+    (alive / "owner").write_text(f"{os.getpid()} {kv_segments._start_ticks(os.getpid())}\n")
+    keep = tmp_path / f"planaria-{uid}-mine"
+    assert kv_segments.sweep_orphans(keep, shm_root=str(tmp_path)) == 1
+    assert not dead.exists() and alive.exists() and unknown.exists() and other.exists()
 
 
 def test_a_dead_pids_segments_go_when_due_and_no_others(shm_dir):
