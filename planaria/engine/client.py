@@ -698,12 +698,16 @@ class EngineClient:
                 self._handover_pins = {k: v for k, v in self._handover_pins.items() if v[1] > now - HANDOVER_PIN_S}
             self._handover_pins[rid.split(REPLAY_ID_SEP, 1)[0]] = (target, now)
 
+        if not streams:
+            return  # nothing of this client's there: the engine drains without waiting for it
         try:
-            if streams and segment:
+            if segment:
                 await asyncio.gather(*(prefetch(rid, st) for rid, st in streams))
             info = self._engines.get(index)
             if info is not None and info.pid == pid and info.state == EngineInfoState.DRAINING:
                 await self.call_utility(index, "hand_over", {}, timeout_s=HANDOVER_PREFETCH_S)
+        except EngineDeadError as exc:  # gone meanwhile: its requests were failed over as a death
+            log.info("engine %d: gone before the handover: %s", index, exc)
         except Exception as exc:  # noqa: BLE001 - the engine hands everything over at its deadline
             log.warning("engine %d: handover request failed: %s", index, exc)
 

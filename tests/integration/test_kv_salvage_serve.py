@@ -154,8 +154,8 @@ def test_no_segment_outlives_serve(tiny_moe, tmp_path_factory):
     s2.runtime = runtime  # the same runtime dir: the same segment dir
     try:
         s2.start(timeout_s=120)
-        left = [p.name for p in _segment_dir(s2).iterdir()]
-        assert left == [f"engine0-{s2.status()['engines'][0]['pid']}.kv"], left
+        left = sorted(p.name for p in _segment_dir(s2).iterdir())
+        assert left == [f"engine0-{s2.status()['engines'][0]['pid']}.kv", "owner"], left
     finally:
         s2.close()
     assert not seg_dir.exists() or not any(seg_dir.iterdir())
