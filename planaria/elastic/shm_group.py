@@ -49,6 +49,7 @@ from pathlib import Path
 
 import torch
 
+from planaria.common.proc_stat import process_start
 from planaria.elastic.errors import ElasticError
 from planaria.kernels import cpu_ext
 from planaria.kernels.moe import expert_pair_outputs
@@ -86,21 +87,6 @@ def node_identity() -> str:
 
 def shm_dir() -> str:
     return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else "/tmp"
-
-
-def process_start(pid: int) -> int | None:
-    """The start time of ``pid`` (clock ticks after boot; None: no such live process)."""
-    try:
-        text = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    fields = text[text.rfind(")") + 2:].split()
-    if not fields or fields[0] in ("Z", "X", "x"):
-        return None
-    try:
-        return int(fields[19])
-    except (IndexError, ValueError):
-        return None
 
 
 def wanted() -> bool:

@@ -57,8 +57,6 @@ class SalvageStats:
     num_requests: int = 0  # replays that asked
     num_refused: int = 0  # segment unusable: recomputed
     num_blocks: int = 0  # blocks adopted (prefetched ones included)
-    num_prefetched_blocks: int = 0  # adopted ahead of a handover (prefetch_kv)
-    copy_s: float = 0.0
 
 
 class EngineCore:
@@ -189,7 +187,6 @@ class EngineCore:
             log.warning("salvage failed; the request is recomputed", request_id=req.request_id, error=repr(exc))
             return
         self.salvage.num_blocks += adopted
-        self.salvage.copy_s += time.perf_counter() - t0
         log.info("salvaged KV blocks", request_id=req.request_id, segment=name, blocks=adopted,
                  ms=round(1000 * (time.perf_counter() - t0), 2))
 
@@ -246,15 +243,12 @@ class EngineCore:
             raise ValueError(f"token_ids must be a list of at most {self.max_model_len} token ids")
         if cache_salt is not None and (not isinstance(cache_salt, str) or not 0 < len(cache_salt) <= MAX_CACHE_SALT_CHARS):
             raise ValueError(f"cache_salt must be a string of 1 to {MAX_CACHE_SALT_CHARS} characters")
-        t0 = time.perf_counter()
         try:
             adopted = self._adopt(hash_request_blocks(token_ids, self.kv.block_size, [], cache_salt), segment)
         except SalvageRefused as exc:
             log.info("prefetch refused", segment=segment, reason=str(exc))
             return 0
         self.salvage.num_blocks += adopted
-        self.salvage.num_prefetched_blocks += adopted
-        self.salvage.copy_s += time.perf_counter() - t0
         return adopted
 
     def _make_request(self, ecr: EngineCoreRequest) -> Request:

@@ -49,6 +49,7 @@ import numpy as np
 import torch
 
 from planaria.common.logging import get_logger
+from planaria.common.proc_stat import process_start
 from planaria.engine.wire import KV_SEGMENT_NAME
 
 log = get_logger("planaria.engine.kv_segment")
@@ -113,21 +114,6 @@ def segment_dir() -> Path | None:
 
 def segment_name(engine_id: int, pid: int) -> str:
     return f"engine{engine_id}-{pid}.kv"
-
-
-def process_start_ticks(pid: int) -> int | None:
-    """The process's start time in clock ticks since boot (None: no such process, or a zombie)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_bytes()
-    except OSError:
-        return None
-    rest = stat[stat.rfind(b")") + 2:].split()  # after "pid (comm) "
-    if not rest or rest[0] == b"Z":
-        return None
-    try:
-        return int(rest[19])  # field 22 overall
-    except (IndexError, ValueError):
-        return None
 
 
 def fingerprint(model_id: str, weight_version: str, layout: KVLayout) -> bytes:
@@ -216,7 +202,7 @@ class KVSegment:
             self.path.unlink(missing_ok=True)
             raise
         os.close(fd)
-        header = SegmentHeader(pid=os.getpid(), start_ticks=process_start_ticks(os.getpid()) or 0,
+        header = SegmentHeader(pid=os.getpid(), start_ticks=process_start(os.getpid()) or 0,
                                engine_id=engine_id, layout=layout, data_offset=self.data_offset,
                                created_s=time.time())
         body = msgspec.json.encode(header)
@@ -233,7 +219,6 @@ class KVSegment:
                                    count=layout.data_bytes // layout.elem_bytes).view(
             layout.num_layers, 2, layout.num_blocks * layout.block_size, layout.num_kv_heads, layout.head_dim)
         self.blocks = _blocks_view(self.kv, layout)
-        self.num_committed = 0  # commits made (a block re-committed counts again)
         # Mapped in the background, so that a salvage writing a context's blocks at once
         # takes no page faults (two thirds of its time); the engine serves meanwhile.
         self._populating = threading.Thread(target=self._populate_all, name="kv-segment-populate", daemon=True)
@@ -267,7 +252,6 @@ class KVSegment:
             self.seqs[block_id] = s
         self.hashes[block_id] = block_hash
         self.seqs[block_id] = s + 1
-        self.num_committed += 1
 
     def invalidate_all(self, fp: bytes | None = None) -> None:
         """A weight swap or a cache reset: nothing committed so far is valid any more."""
@@ -275,12 +259,6 @@ class KVSegment:
         self.seqs[odd] += np.uint64(1)
         if fp is not None:
             self._mm[FINGERPRINT_OFFSET:FINGERPRINT_OFFSET + FINGERPRINT_BYTES] = fp
-
-    def close(self, unlink: bool = False) -> None:
-        """``unlink``: the segment is not wanted after this process (a clean exit with no
-        request handed over); otherwise the supervisor removes it after its grace period."""
-        if unlink:
-            self.path.unlink(missing_ok=True)
 
 
 class SalvageSource:
@@ -325,7 +303,7 @@ class SalvageSource:
         kv = torch.frombuffer(mm, dtype=getattr(torch, src.dtype), offset=header.data_offset,
                               count=src.data_bytes // src.elem_bytes)
         self.blocks = kv.view(src.num_layers, 2, src.num_blocks, -1)
-        self.writer_alive = process_start_ticks(header.pid) == header.start_ticks and header.start_ticks != 0
+        self.writer_alive = process_start(header.pid) == header.start_ticks and header.start_ticks != 0
 
     def fingerprint(self) -> bytes:
         return bytes(self._mm[FINGERPRINT_OFFSET:FINGERPRINT_OFFSET + FINGERPRINT_BYTES])

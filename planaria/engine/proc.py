@@ -459,11 +459,10 @@ class EngineCoreProc:
                 case AbandonStart():
                     raise SystemExit(EXIT_OK)
 
-    def _send_status(self, state: EngineState, reason: str, requests_dropped: bool,
-                     handed_over: bool = False) -> None:
+    def _send_status(self, state: EngineState, reason: str, requests_dropped: bool) -> None:
         self.output_queue.put((None, MsgType.STATUS, EngineStatus(
             engine_index=self.engine_index, state=state.value, reason=reason,
-            requests_dropped=requests_dropped, pid=os.getpid(), handed_over=handed_over and requests_dropped)))
+            requests_dropped=requests_dropped, pid=os.getpid())))
 
     def _hand_over(self, slot: int | None) -> int:
         """Drop the requests of frontend ``slot`` (None: of every frontend) as handed over:

@@ -171,7 +171,7 @@ def test_dirs_of_daemons_that_died_elsewhere_are_swept(tmp_path):
         touch(d, "engine0-5.kv")
     (dead / "owner").write_text("999999 12345\n")  # no such process
     (other / "owner").write_text("999999 12345\n")
-    (alive / "owner").write_text(f"{os.getpid()} {kv_segments._start_ticks(os.getpid())}\n")
+    (alive / "owner").write_text(f"{os.getpid()} {kv_segments.process_start(os.getpid())}\n")
     keep = tmp_path / f"planaria-{uid}-mine"
     assert kv_segments.sweep_orphans(keep, shm_root=str(tmp_path)) == 1
     assert not dead.exists() and alive.exists() and unknown.exists() and other.exists()
