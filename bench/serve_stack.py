@@ -260,13 +260,19 @@ class ServeStack:
         raise TimeoutError(f"engines not all serving within {timeout_s} s\n{self.logs()}")
 
     def wait_busy(self, engine_id: int, timeout_s: float = 30.0) -> bool:
-        """Until engine ``engine_id`` reports requests running (its heartbeat's count), so a
-        fault caused next hits work in flight; False when it had none within ``timeout_s``."""
+        """Until engine ``engine_id`` reports requests running in a heartbeat sent after this
+        call (its step_counter moved: the last heartbeat may count requests since finished),
+        so a fault caused next hits work in flight; False when it had none within ``timeout_s``."""
+        def current() -> dict | None:
+            return next((e for e in self.status()["engines"] if e["engine_id"] == engine_id), None)
+
+        first = current()
+        seen = ((first or {}).get("pid"), (first or {}).get("step_counter") or 0)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            engines = self.status()["engines"]
-            if any(e["engine_id"] == engine_id and e["state"] == "running" and (e.get("num_running") or 0) > 0
-                   for e in engines):
+            e = current()
+            if e is not None and e["state"] == "running" and (e.get("num_running") or 0) > 0 \
+                    and (e.get("pid"), e.get("step_counter") or 0) != seen:
                 return True
             time.sleep(0.02)
         return False
