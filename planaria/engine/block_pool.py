@@ -39,6 +39,16 @@ def hash_block_tokens(parent_hash: int, token_ids: Sequence[int], extra: bytes =
     return int.from_bytes(h.digest(), "little")
 
 
+PARTIAL_MARK = b"\x00planaria-partial"
+
+
+def hash_partial_block(parent_hash: int, token_ids: Sequence[int]) -> int:
+    """Hash of the first ``len(token_ids)`` positions of a block that is not full yet (a KV
+    segment's record of a request's last block, engine/kv_segment.py): never a full block's
+    hash, and never another length's."""
+    return hash_block_tokens(parent_hash, token_ids, PARTIAL_MARK + len(token_ids).to_bytes(2, "little"))
+
+
 def chain_root(cache_salt: str | None) -> int:
     """The parent hash of a request's first block: NONE_HASH, or one of the salt's own."""
     if not cache_salt:

@@ -197,11 +197,13 @@ class EngineCore:
             raise SalvageRefused("the request wants prompt logprobs: every position runs through the model")
         hashes = hash_request_blocks(req.all_token_ids, self.kv.block_size, req.block_hashes, req.cache_salt)
         # as get_computed_blocks: one token is left to compute
-        return self._adopt(hashes[:(req.num_tokens - 1) // self.kv.block_size], name)
+        return self._adopt(hashes[:(req.num_tokens - 1) // self.kv.block_size], name, req)
 
-    def _adopt(self, wanted: list[int], name: str) -> int:
+    def _adopt(self, wanted: list[int], name: str, req: Request | None = None) -> int:
         """Adopt the leading run of the chain ``wanted`` (block hashes) that is not cached
-        here from segment ``name``: copied into free blocks, cached under their hashes."""
+        here from segment ``name``: copied into free blocks, cached under their hashes.
+        With ``req`` (a replay; ``wanted`` its full blocks but the last token's), also the
+        block after them that the segment holds partly (``_adopt_tail``)."""
         from planaria.engine.kv_segment import SalvageSource, copy_blocks, segment_dir
 
         seg = self.runner.kv_segment
@@ -211,7 +213,7 @@ class EngineCore:
         i = 0
         while i < len(wanted) and self.kv.pool.lookup(wanted[i]) is not None:
             i += 1  # already cached here
-        if i == len(wanted):
+        if i == len(wanted) and (req is None or req.num_tokens - 1 == len(wanted) * self.kv.block_size):
             return 0
         if name == seg.name:
             raise SalvageRefused("the segment is this engine's own")
@@ -224,9 +226,41 @@ class EngineCore:
                 copy_blocks(seg.blocks, src, [b for b, _ in part], dst[:len(part)])
                 return src.still_valid(part)
 
-            return self.kv.import_blocks(wanted[i:i + len(run)], copy) if run else 0
+            adopted = self.kv.import_blocks(wanted[i:i + len(run)], copy) if run else 0
+            if req is not None and i + adopted == len(wanted):
+                adopted += self._adopt_tail(req, wanted, src)
+            return adopted
         finally:
             src.close()
+
+    def _adopt_tail(self, req: Request, wanted: list[int], src) -> int:
+        """The block after the full ones ``wanted``, when the segment committed some of its
+        positions (KVCacheManager.commit: the hash of those tokens): copied into a block the
+        request's first allocation takes, so it computes only from the first position the
+        copy lacks (the last token, after a kill in decode) instead of the whole block.
+        The segment may hold one position more than the replay's tokens leave to trust
+        (the output of its last step was lost with it): that position is computed again."""
+        from planaria.engine.block_pool import chain_root, hash_partial_block
+        from planaria.engine.kv_segment import copy_blocks
+
+        bs = self.kv.block_size
+        num_full = len(wanted)
+        tokens = req.all_token_ids[num_full * bs:]
+        trusted = req.num_tokens - 1 - num_full * bs  # positions a computation would skip
+        parent = wanted[-1] if wanted else chain_root(req.cache_salt)
+        for m in range(min(len(tokens), bs - 1), 0, -1):
+            hit = src.find(hash_partial_block(parent, tokens[:m]))
+            if hit is not None:
+                break
+        else:
+            return 0
+        seg = self.runner.kv_segment
+
+        def copy(block: int) -> bool:
+            copy_blocks(seg.blocks, src, [hit[0]], [block])
+            return src.still_valid([hit]) == 1
+
+        return int(self.kv.adopt_tail(req.request_id, num_full, min(m, trusted), copy))
 
     def prefetch_kv(self, segment: str, token_ids: list[int], cache_salt: str | None = None) -> int:
         """The bulk of a handover, copied while the draining engine still decodes: adopt the

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from planaria.engine.block_pool import BlockPool, CacheEvents, hash_request_blocks
+from planaria.engine.block_pool import BlockPool, CacheEvents, chain_root, hash_partial_block, hash_request_blocks
 from planaria.engine.request import Request
 
 
@@ -29,6 +29,10 @@ class KVCacheManager:
         # forward that wrote them (``commit``)
         self.record = None
         self._num_committed: dict[str, int] = {}
+        # salvaged last blocks, not full (engine/core.py): request id -> (block, positions
+        # it holds, full blocks before it), taken by the request's first allocation when its
+        # prefix hit is exactly those full blocks, else freed
+        self._tails: dict[str, tuple[int, int, int]] = {}
 
     @property
     def usage(self) -> float:
@@ -55,6 +59,9 @@ class KVCacheManager:
             hits.append(block_id)
         self.pool.num_cache_queries_blocks += max_blocks
         self.pool.num_cache_hits_blocks += len(hits)
+        tail = self._tails.get(req.request_id)
+        if tail is not None and tail[2] == len(hits):  # a salvaged last block follows them
+            return hits, len(hits) * self.block_size + tail[1]
         return hits, len(hits) * self.block_size
 
     def can_fit(self, req: Request, num_new_tokens: int, computed_blocks: list[int] = ()) -> bool:
@@ -89,14 +96,23 @@ class KVCacheManager:
         blocks = []
         computed_blocks = computed_blocks or []
         num_computed = req.num_computed_tokens
-        needed = -(-(num_computed + num_new_tokens) // self.block_size) - len(computed_blocks)
+        tail = self._tails.get(req.request_id)
+        use_tail = tail is not None and tail[2] == len(computed_blocks) \
+            and num_computed == len(computed_blocks) * self.block_size + tail[1]
+        needed = -(-(num_computed + num_new_tokens) // self.block_size) - len(computed_blocks) - use_tail
         num_evictable_hits = sum(1 for b in computed_blocks if self.pool.ref_cnt[b] == 0)
         if needed > self.pool.num_free_blocks - num_evictable_hits:
             return None
+        if tail is not None:
+            del self._tails[req.request_id]
+            if not use_tail:
+                self.pool.free([tail[0]])
         if computed_blocks:
             self.pool.touch(computed_blocks)
             blocks.extend(computed_blocks)
             self._num_cached_blocks[req.request_id] = len(computed_blocks)
+        if use_tail:
+            blocks.append(tail[0])
         if needed > 0:
             blocks.extend(self._allocate(needed))
         self.req_to_blocks[req.request_id] = blocks
@@ -121,14 +137,43 @@ class KVCacheManager:
         blocks = self.req_to_blocks.get(rid)
         if not blocks:
             return
+        bs = self.block_size
         hashes = req.block_hashes
-        n = min(num_tokens // self.block_size, len(blocks), len(hashes))
+        n = min(num_tokens // bs, len(blocks), len(hashes))
         done = self._num_committed.get(rid, 0)
-        if n <= done:
-            return
         for i in range(done, n):
             record.commit(blocks[i], hashes[i])
-        self._num_committed[rid] = n
+        if n > done:
+            self._num_committed[rid] = n
+        partial = num_tokens - n * bs
+        if 0 < partial < bs and n == num_tokens // bs and len(blocks) > n:
+            parent = hashes[n - 1] if n else chain_root(req.cache_salt)
+            record.commit(blocks[n], hash_partial_block(parent, req.all_token_ids[n * bs:num_tokens]))
+
+    def adopt_tail(self, request_id: str, num_full_blocks: int, num_positions: int, copy) -> bool:
+        """A salvage's last block, not full: a free block taken, filled by ``copy(block)``
+        (False: it could not be), kept for the request's first allocation, which takes it
+        after its ``num_full_blocks`` prefix hits so that ``num_positions`` more of its
+        tokens count as computed."""
+        if not 0 < num_positions < self.block_size or self.pool.num_free_blocks < 1:
+            return False
+        self._drop_tail(request_id)
+        block = self._allocate(1)[0]
+        try:
+            ok = copy(block)
+        except BaseException:
+            self.pool.free([block])
+            raise
+        if not ok:
+            self.pool.free([block])
+            return False
+        self._tails[request_id] = (block, num_positions, num_full_blocks)
+        return True
+
+    def _drop_tail(self, request_id: str) -> None:
+        tail = self._tails.pop(request_id, None)
+        if tail is not None:
+            self.pool.free([tail[0]])
 
     def import_blocks(self, block_hashes: list[int], copy) -> int:
         """Adopt blocks another engine computed (a salvage): for each of ``block_hashes``
@@ -165,6 +210,7 @@ class KVCacheManager:
         self._num_cached_blocks[req.request_id] = num_full
 
     def free(self, req: Request) -> None:
+        self._drop_tail(req.request_id)
         blocks = self.req_to_blocks.pop(req.request_id, None)
         self._num_cached_blocks.pop(req.request_id, None)
         self._num_committed.pop(req.request_id, None)
@@ -198,6 +244,8 @@ class KVCacheManager:
         return self.block_table[rows, :num_blocks]
 
     def reset_prefix_cache(self) -> bool:
+        for rid in list(self._tails):  # computed with the weights of before
+            self._drop_tail(rid)
         if self.record is not None:
             self.record.invalidate_all()
         return self.pool.reset_prefix_cache()

@@ -17,6 +17,7 @@ from pathlib import Path
 import msgspec
 import numpy as np
 import pytest
+import torch
 
 from planaria.engine import kv_segment
 from planaria.engine.config import EngineConfig
@@ -115,13 +116,58 @@ def test_survivor_adopts_committed_blocks_and_continues_token_for_token(tiny_moe
     rest = _replay(b, emitted, a.runner.kv_segment.name)
     bs = b.kv.block_size
     context = len(PROMPT) + CUT
-    # a committed every full block its finished forwards wrote: positions < context - 1 (the
-    # last emitted token was sampled, its KV not written yet)
-    assert b.salvage.num_blocks == (context - 1) // bs and b.salvage.num_refused == 0
-    assert b.scheduler.num_prefill_tokens - prefill_before == context - (context - 1) // bs * bs
+    # a committed every full block its finished forwards wrote, and the positions written so
+    # far of the last one: < context - 1 (the last emitted token was sampled, its KV not
+    # written yet). The survivor adopts all of them and computes that one token.
+    assert (context - 1) % bs, "the test wants a partial last block"
+    assert b.salvage.num_blocks == (context - 1) // bs + 1 and b.salvage.num_refused == 0
+    assert b.scheduler.num_prefill_tokens - prefill_before == 1
     if _exact(b):
         assert emitted + rest == reference
     assert len(rest) == TOTAL - CUT
+    assert not b.kv._tails
+
+
+def test_a_lost_last_output_still_adopts_the_partial_block(tiny_moe, seg_dir, reference, monkeypatch):
+    """The engine died after its step committed but before that step's token reached the
+    frontend: the replay has one token fewer than the segment's record covers; the partial
+    block is adopted and its last position computed again."""
+    a, emitted = _die_after(tiny_moe, monkeypatch)
+    b = _core(tiny_moe, 2, monkeypatch)
+    prefill_before = b.scheduler.num_prefill_tokens
+    rest = _replay(b, emitted[:-1], a.runner.kv_segment.name)
+    context = len(PROMPT) + CUT - 1
+    assert b.salvage.num_blocks == (context - 1) // b.kv.block_size + 1
+    assert b.scheduler.num_prefill_tokens - prefill_before == 1
+    if _exact(b):
+        assert emitted[:-1] + rest == reference
+
+
+@pytest.mark.parametrize("damage", ["mid-forward", "mid-record"])
+def test_a_partial_block_is_trusted_only_for_its_committed_positions(tiny_moe, seg_dir, reference, monkeypatch,
+                                                                     damage):
+    """mid-forward: the next forward had written garbage after the committed positions (a
+    SIGKILL while it ran): adopted, those positions computed. mid-record: its entry's seq is
+    odd (the commit was being written): not adopted, the block's positions computed."""
+    a, emitted = _die_after(tiny_moe, monkeypatch)
+    seg = a.runner.kv_segment
+    bs = a.kv.block_size
+    context = len(PROMPT) + CUT
+    full = (context - 1) // bs
+    tail_block = a.kv.get_block_ids("r")[full]
+    if damage == "mid-forward":
+        start = tail_block * bs + (context - 1 - full * bs)  # the first position not committed
+        seg.kv[:, :, start:tail_block * bs + bs] = 1e4
+    else:
+        seg.invalidate([tail_block])
+    b = _core(tiny_moe, 2, monkeypatch)
+    prefill_before = b.scheduler.num_prefill_tokens
+    rest = _replay(b, emitted, seg.name)
+    partial = damage == "mid-forward"
+    assert b.salvage.num_blocks == full + partial
+    assert b.scheduler.num_prefill_tokens - prefill_before == (1 if partial else context - full * bs)
+    if _exact(b):
+        assert emitted + rest == reference
 
 
 def test_uncommitted_blocks_are_never_adopted(tiny_moe, seg_dir, reference, monkeypatch):
@@ -194,7 +240,11 @@ def test_a_live_writer_reusing_a_block_mid_copy_is_caught():
         assert r.still_valid(run) == 2
         w.invalidate_all(kv_segment.fingerprint("m", "v2", layout))  # a weight swap
         assert r.still_valid(run[:2]) == 0
-        assert r.find_run([1000]) == []
+        r.close()
+        with pytest.raises(kv_segment.SalvageRefused, match="fingerprint"):
+            kv_segment.SalvageSource(d, w.name, layout, fp)
+        r = kv_segment.SalvageSource(d, w.name, layout, kv_segment.fingerprint("m", "v2", layout))
+        assert r.find_run([1000]) == []  # nothing committed since
         r.close()
         assert oct(os.stat(w.path).st_mode & 0o777) == "0o600"
     finally:
@@ -228,7 +278,8 @@ def test_prefetch_copies_the_bulk_while_the_source_decodes(tiny_moe, seg_dir, re
     before = b.salvage.num_blocks
     rest = _replay(b, emitted, a.runner.kv_segment.name)
     context = len(PROMPT) + len(emitted)
-    assert b.salvage.num_blocks - before == (context - 1) // bs - (len(PROMPT) + len(early) - 1) // bs
+    # the blocks filled since, and the partial last one
+    assert b.salvage.num_blocks - before == (context - 1) // bs - (len(PROMPT) + len(early) - 1) // bs + 1
     if _exact(b):
         assert emitted + rest == reference
 
@@ -254,17 +305,62 @@ def test_copy_blocks_runs_and_scattered(tmp_path):
                                  num_blocks=16)
     fp = kv_segment.fingerprint("m", "", layout)
     w = kv_segment.KVSegment(tmp_path, 0, layout, fp)
+    plane = np.array([[0.0, 100.0], [1000.0, 1100.0]], dtype=np.float32)[:, :, None]  # layer, K/V
     for b in range(16):
-        w.blocks[:, :, b] = float(b + 1)
+        w.blocks[:, :, b] = torch.from_numpy(plane + float(b + 1))
     r = kv_segment.SalvageSource(tmp_path, w.name, layout, fp)
     dst = np.zeros((2, 2, 16, 8), dtype=np.float32)
-    import torch
-
     d = torch.from_numpy(dst)
     src_ids, dst_ids = [3, 4, 5, 9, 2, 10, 11], [0, 1, 2, 7, 3, 12, 13]
     kv_segment.copy_blocks(d, r, src_ids, dst_ids)
     for s_, d_ in zip(src_ids, dst_ids):
-        assert (dst[:, :, d_] == s_ + 1).all()
+        assert (dst[:, :, d_] == plane + s_ + 1).all()
     untouched = [b for b in range(16) if b not in dst_ids]
     assert (dst[:, :, untouched] == 0).all()
+    # the file cut short under the reader (by a hostile or broken peer): refused, no SIGBUS
+    os.truncate(w.path, w.data_offset + 64)
+    with pytest.raises(kv_segment.SalvageRefused, match="cut short"):
+        kv_segment.copy_blocks(d, r, [12], [0])
     r.close()
+
+
+def test_a_salvaged_partial_block_is_taken_only_after_its_own_prefix_and_never_leaks():
+    """KVCacheManager's tail: taken by the first allocation when the prefix hits are exactly
+    the full blocks it follows; otherwise (a hit evicted meanwhile), or when the request
+    ends first, or at a prefix-cache reset, the block goes back to the free list."""
+    from planaria.engine.block_pool import hash_request_blocks
+    from planaria.engine.kv_cache_manager import KVCacheManager
+    from planaria.engine.request import Request
+
+    def request(rid):
+        return Request(rid, list(range(1, 12)), SamplingParams(max_tokens=4, temperature=0.0), None, 4)
+
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    free = kv.pool.num_free_blocks
+    hashes = hash_request_blocks(list(range(1, 12)), 4, [])
+    assert kv.import_blocks(hashes[:2], lambda dst: len(dst)) == 2  # blocks 0-1 cached
+    req = request("a")
+    assert kv.adopt_tail("a", 2, 2, lambda block: True)
+    hits, num = kv.get_computed_blocks(req)
+    assert len(hits) == 2 and num == 10  # 8 + the tail's 2: one token left to compute
+    req.num_computed_tokens = num
+    blocks = kv.allocate_slots(req, 1, hits)
+    assert blocks[:2] == hits and len(blocks) == 3 and not kv._tails
+    kv.free(req)
+    assert kv.pool.num_free_blocks == free
+
+    assert kv.adopt_tail("b", 3, 2, lambda block: True)  # follows 3 full blocks: only 2 are cached
+    req = request("b")
+    hits, num = kv.get_computed_blocks(req)
+    assert len(hits) == 2 and num == 8
+    req.num_computed_tokens = num
+    assert len(kv.allocate_slots(req, 3, hits)) == 3 and not kv._tails
+    kv.free(req)
+    assert kv.pool.num_free_blocks == free
+
+    assert kv.adopt_tail("c", 2, 2, lambda block: True)
+    kv.free(request("c"))  # aborted while it waited
+    assert not kv.adopt_tail("d", 2, 2, lambda block: False)  # the copy was not trusted
+    assert kv.adopt_tail("e", 2, 2, lambda block: True)
+    kv.reset_prefix_cache()
+    assert not kv._tails and kv.pool.num_free_blocks == free
