@@ -105,7 +105,11 @@ class Generator:
                 pid = getattr(info, "pid", None)
                 kv_segment = getattr(info, "kv_segment", "") or ""  # its KV outlives it (same node)
                 planned = bool(getattr(info, "handing_over", False))
-        self.journal.on_engine_dead(engine_index, died_s, pid, kv_segment=kv_segment, planned=planned)
+        lost = self.journal.on_engine_dead(engine_index, died_s, pid, kv_segment=kv_segment, planned=planned)
+        if lost:
+            log.info("engine %d %s: %d request(s) %s", engine_index, "handed its requests over" if planned else "lost",
+                     len(lost), ("to move" if planned else "to replay")
+                     + (f" with its KV ({kv_segment})" if kv_segment else " (recomputed: no KV segment)"))
 
     async def _engine_outputs(self, request: EngineCoreRequest) -> AsyncIterator[EngineCoreOutput]:
         """The engine's outputs for ``request``, across engine faults (replayed elsewhere);
@@ -123,7 +127,9 @@ class Generator:
                             if out.new_token_ids:
                                 latency_s = journal.on_replay_token(rid)
                                 if latency_s is not None and self._metrics is not None:
-                                    self._metrics.record_replay_latency(latency_s)
+                                    cached = out.num_cached_tokens if isinstance(out.num_cached_tokens, int) else 0
+                                    self._metrics.record_replay_latency(
+                                        latency_s, max(0, len(current.prompt_token_ids) - cached))
                                 journal.on_tokens(rid, out.new_token_ids)
                             if out.prompt_logprobs is not None:  # a replay does not ask again
                                 journal.on_prompt_logprobs(rid)

@@ -33,6 +33,7 @@ from planaria.frontend.iteration_metrics import IterationMetrics
 
 LATENCY_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
                      1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+RECOMPUTED_TOKENS_BUCKETS = (0, 1, 4, 16, 64, 256, 1024, 4096, 16384, 65536)
 ITL_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075,
                  0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
 
@@ -145,6 +146,10 @@ class FrontendMetrics:
         self.replay_latency = Histogram(
             "planaria_replay_latency_seconds", "Time from an engine loss notice to the replayed request's first token.",
             buckets=LATENCY_BUCKETS_S, registry=r)
+        self.replay_recomputed = Histogram(
+            "planaria_replay_recomputed_tokens",
+            "Prompt tokens a replayed or moved request computed again on its new engine (the rest came from "
+            "its prefix cache or from the lost engine's KV).", buckets=RECOMPUTED_TOKENS_BUCKETS, registry=r)
         self.success = Counter("planaria_request_success_total", "Requests finished, by finish reason.",
                                ["finished_reason"], registry=r)
         self.errors = Counter("planaria_request_errors_total", "Requests failed, by kind.", ["kind"], registry=r)
@@ -192,9 +197,11 @@ class FrontendMetrics:
         self.moves.inc()
         self.last_replay_start.set_to_current_time()
 
-    def record_replay_latency(self, latency_s: float) -> None:
+    def record_replay_latency(self, latency_s: float, num_recomputed_tokens: int | None = None) -> None:
         self.replay_latency.observe(latency_s)
         self.last_replay_token.set_to_current_time()
+        if num_recomputed_tokens is not None:
+            self.replay_recomputed.observe(num_recomputed_tokens)
 
     def observe_engines(self, engines) -> None:
         """Count deaths from the client's view of its engines; call often (and at scrape)."""

@@ -344,6 +344,10 @@ def test_generator_replays_on_a_survivor_without_gaps_or_repeats():
     text = metrics.render(client.engines)
     assert "planaria_request_replays_total 2" in text and "planaria_replay_latency_seconds_count 2" in text
     assert 'planaria_request_success_total{finished_reason="length"} 1' in text
+    # no engine here caches anything: each replay computed its whole prompt again
+    recomputed = sum(len(r.prompt_token_ids) for r in client.submitted[1:])
+    assert "planaria_replay_recomputed_tokens_count 2\n" in text
+    assert f"planaria_replay_recomputed_tokens_sum {recomputed}\n" in text
 
 
 def test_replay_request_keeps_or_drops_prompt_logprobs():
@@ -458,9 +462,12 @@ def test_generator_gives_up_with_503_past_the_limit_or_when_no_engine_returns():
     assert ei.value.code == "engine_dead" and "replay limit 3" in str(ei.value)
     assert len(flaky.submitted) == 4
     assert 'planaria_request_errors_total{kind="replay_limit"} 1' in metrics.render(flaky.engines)
-    # a new request with no engine at all is still refused at once
-    with pytest.raises(ServiceUnavailableError):
-        collect(Generator(ScriptedClient(num_engines=0), ListDetok), ecr())
+    # a new request with no engine at all waits replay_wait_s for one, then is refused
+    t0 = time.monotonic()
+    with pytest.raises(ServiceUnavailableError) as ei:
+        collect(Generator(ScriptedClient(num_engines=0), ListDetok, replay_wait_s=0.2), ecr())
+    assert ei.value.code == "no_engine_available" and "no engine could take the request" in str(ei.value)
+    assert 0.2 <= time.monotonic() - t0 < 5
 
 
 def test_generator_quarantines_a_request_two_engines_died_under_and_counts_it():

@@ -104,6 +104,7 @@ def test_a_killed_engines_streams_continue_from_its_kv(stack):
     seg_dir = _segment_dir(stack)
     assert len([p for p in seg_dir.iterdir() if re.match(r"engine\d+-\d+\.kv$", p.name)]) == 2
     before = _salvaged_blocks(stack)
+    m0 = stack.metrics()
 
     def kill():
         stack.fault(_busiest(stack), "kill")
@@ -115,6 +116,12 @@ def test_a_killed_engines_streams_continue_from_its_kv(stack):
     assert not differ, f"{len(differ)} of {NUM_STREAMS} differ: {differ}"
     # each replay adopted the ~300-token context's committed blocks (tiny-moe: 16 per block)
     assert _salvaged_blocks(stack) - before >= 10, stack.logs()
+    # each replay computed its last token or so, not its ~300-token context (the partial
+    # last block is adopted too): planaria_replay_recomputed_tokens
+    m1 = stack.metrics()
+    replays = m1["planaria_replay_recomputed_tokens_count"] - m0.get("planaria_replay_recomputed_tokens_count", 0)
+    recomputed = m1["planaria_replay_recomputed_tokens_sum"] - m0.get("planaria_replay_recomputed_tokens_sum", 0)
+    assert replays >= 1 and recomputed <= 16 * replays, (replays, recomputed)
     stack.wait_ready(90)
 
 
