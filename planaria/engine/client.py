@@ -93,6 +93,7 @@ DEFAULT_BLOCK_SIZE = 16  # EngineConfig's: until an engine's READY says otherwis
 HANDOVER_PREFETCH_S = 3.0  # a survivor's KV copy for a handover, and the engine's hand_over, at most
 HANDOVER_PIN_S = 30.0  # a moved request goes to the engine that copied its KV if it comes within this
 MAX_HANDOVER_PINS = 4096
+KV_TRANSFER_PART_BYTES = 8 << 20  # K/V per message of a relayed pre-copy (engine/kv_transfer.py)
 
 
 @dataclass
@@ -204,6 +205,7 @@ class EngineClient:
         self._handover_tasks: set[asyncio.Task] = set()  # _hand_over, one per draining engine
         # original request id -> (engine that copied its KV for a handover, when)
         self._handover_pins: dict[str, tuple[int, float]] = {}
+        self._transfer_lock = asyncio.Lock()  # one relayed KV pre-copy at a time (_transfer_kv)
         self._closed = False
         self.num_bad_messages = 0  # messages the readers could not use (see _router_loop)
         # fn(engine_index, reason), on the loop, when an engine's in-flight work is lost
@@ -686,10 +688,13 @@ class EngineClient:
             if req is None or not segment or req.sampling_params.prompt_logprobs is not None:
                 return
             target = self._route(req, {index}, None).index
+            token_ids = list(req.prompt_token_ids) + st.output_ids
+            salt = {"cache_salt": req.cache_salt} if req.cache_salt else {}
             try:
-                await self.call_utility(target, "prefetch_kv", {
-                    "segment": segment, "token_ids": list(req.prompt_token_ids) + st.output_ids,
-                    **({"cache_salt": req.cache_salt} if req.cache_salt else {})}, timeout_s=HANDOVER_PREFETCH_S)
+                got = await self.call_utility(target, "prefetch_kv", {
+                    "segment": segment, "token_ids": token_ids, **salt}, timeout_s=HANDOVER_PREFETCH_S)
+                if isinstance(got, dict) and got.get("seen") is False:  # another node: relay the blocks
+                    await self._transfer_kv(index, target, token_ids, salt)
             except Exception as exc:  # noqa: BLE001 - the move copies everything itself then
                 log.info("engine %d: KV prefetch of %s on engine %d failed: %s", index, rid, target, exc)
                 return
@@ -710,6 +715,34 @@ class EngineClient:
             log.info("engine %d: gone before the handover: %s", index, exc)
         except Exception as exc:  # noqa: BLE001 - the engine hands everything over at its deadline
             log.warning("engine %d: handover request failed: %s", index, exc)
+
+    async def _transfer_kv(self, source: int, target: int, token_ids: list[int], salt: dict) -> int:
+        """A handover's pre-copy to an engine that cannot read the source's segment (another
+        node): the committed blocks relayed part by part (engine/kv_transfer.py), at most
+        KV_TRANSFER_PART_BYTES each, one transfer at a time per client, within
+        HANDOVER_PREFETCH_S; the number of blocks the target took."""
+        deadline = time.monotonic() + HANDOVER_PREFETCH_S
+        start = taken = 0
+        async with self._transfer_lock:
+            while True:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                part = await self.call_utility(source, "export_kv", {
+                    "token_ids": token_ids, "start_block": start, "max_bytes": KV_TRANSFER_PART_BYTES, **salt},
+                    timeout_s=left)
+                hashes = part.get("hashes") if isinstance(part, dict) else None
+                if not hashes or not isinstance(hashes, list):
+                    break
+                got = await self.call_utility(target, "import_kv", {
+                    "token_ids": token_ids, "hashes": hashes, "data": part.get("data"),
+                    "fingerprint": part.get("fingerprint"), "layout": part.get("layout"), "start_block": start,
+                    **salt}, timeout_s=max(0.001, deadline - time.monotonic()))
+                taken += int(got.get("blocks", 0)) if isinstance(got, dict) else 0
+                start += len(hashes)
+                if start >= int(part.get("num_full_blocks") or 0):
+                    break
+        return taken
 
     def _on_kv_events(self, info: EngineInfo, events: KVCacheEvents) -> None:
         """Into the engine's prefix index, when they are its current process's and it keeps one."""

@@ -559,7 +559,27 @@ class EngineCoreProc:
     def _u_prefetch_kv(self, segment: str, token_ids: list[int], cache_salt: str | None = None) -> dict:
         """A survivor's share of a handover: copy the committed KV of a request of the
         draining engine whose segment is ``segment`` now (EngineCore.prefetch_kv)."""
-        return {"blocks": self.core.prefetch_kv(segment, token_ids, cache_salt)}
+        from planaria.engine.kv_segment import NAME_RE, segment_dir
+
+        blocks = self.core.prefetch_kv(segment, token_ids, cache_salt)
+        directory = segment_dir()
+        # not seen: another node's engine (the frontend relays the blocks: engine/kv_transfer.py)
+        seen = directory is not None and NAME_RE.match(segment) is not None and (directory / segment).exists()
+        return {"blocks": blocks, "seen": seen}
+
+    def _u_export_kv(self, token_ids: list[int], cache_salt: str | None = None, start_block: int = 0,
+                     max_bytes: int = 8 << 20) -> dict:
+        """A part of a handover's pre-copy to an engine of another node (engine/kv_transfer.py)."""
+        from planaria.engine import kv_transfer
+
+        return kv_transfer.export_kv(self.core, token_ids, cache_salt, start_block, max_bytes)
+
+    def _u_import_kv(self, token_ids: list[int], hashes: list[int], data: bytes, fingerprint: bytes, layout: dict,
+                     cache_salt: str | None = None, start_block: int = 0) -> dict:
+        """The survivor's side of ``export_kv``: checked, then into the prefix cache."""
+        from planaria.engine import kv_transfer
+
+        return kv_transfer.import_kv(self.core, token_ids, hashes, data, fingerprint, layout, cache_salt, start_block)
 
     def _u_get_stats(self):
         return self.core.get_stats()

@@ -35,12 +35,13 @@ def engine_config(model: Path, **kw) -> dict:
 
 
 def spawn_engine(index: int, input_addr: str, log_dir: Path, config: dict | None = None,
-                 settings: dict | None = None, fault_injection: bool = False) -> subprocess.Popen:
+                 settings: dict | None = None, fault_injection: bool = False,
+                 env: dict | None = None) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "planaria.engine.proc", "--engine-index", str(index), "--input-addr", input_addr]
     if config is not None:
         cmd += ["--config-json", msgspec.json.encode(config).decode()]
     cmd += ["--settings-json", msgspec.json.encode({"handshake_timeout_s": 60.0, **(settings or {})}).decode()]
-    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", **(env or {}))
     if fault_injection:
         env["PLANARIA_FAULT_INJECTION"] = "1"
     log = open(log_dir / f"engine{index}-{time.monotonic_ns()}.log", "wb")

@@ -364,3 +364,87 @@ def test_a_salvaged_partial_block_is_taken_only_after_its_own_prefix_and_never_l
     assert kv.adopt_tail("e", 2, 2, lambda block: True)
     kv.reset_prefix_cache()
     assert not kv._tails and kv.pool.num_free_blocks == free
+
+
+def _other_node(seg_dir: Path, monkeypatch) -> Path:
+    """A segment dir of its own: engines made next see none of the first dir's segments."""
+    other = seg_dir.with_name(seg_dir.name + "-b")
+    other.mkdir(mode=0o700)
+    monkeypatch.setenv(kv_segment.SEGMENT_DIR_ENV, str(other))
+    return other
+
+
+def test_a_handover_to_another_node_relays_the_blocks_in_bounded_parts(tiny_moe, seg_dir, reference, monkeypatch):
+    """The survivor cannot read the draining engine's segment (another node): the blocks
+    come through export_kv / import_kv, a few at a time, checked, and the move computes only
+    what they lack, with the same tokens."""
+    from planaria.engine import kv_transfer
+
+    a, emitted = _die_after(tiny_moe, monkeypatch)
+    other = _other_node(seg_dir, monkeypatch)
+    try:
+        b = _core(tiny_moe, 2, monkeypatch)
+        tokens = PROMPT + emitted
+        assert b.prefetch_kv(a.runner.kv_segment.name, tokens) == 0  # not on this node
+        bs = b.kv.block_size
+        per_block = 2 * a.runner.kv_layout.num_layers * bs * a.runner.kv_layout.num_kv_heads \
+            * a.runner.kv_layout.head_dim * a.runner.kv_layout.elem_bytes
+        start, parts, taken = 0, 0, 0
+        while True:
+            part = kv_transfer.export_kv(a, tokens, start_block=start, max_bytes=2 * per_block)
+            if not part["hashes"]:
+                break
+            assert len(part["hashes"]) <= 2 and len(part["data"]) == len(part["hashes"]) * per_block
+            taken += kv_transfer.import_kv(b, tokens, part["hashes"], part["data"], part["fingerprint"],
+                                           part["layout"], start_block=start)["blocks"]
+            start += len(part["hashes"])
+            parts += 1
+        full = (len(tokens) - 1) // bs
+        assert taken == start == full and parts == -(-full // 2)
+        prefill_before = b.scheduler.num_prefill_tokens
+        rest = _replay(b, emitted, a.runner.kv_segment.name)  # its segment: not seen here, refused
+        assert b.scheduler.num_prefill_tokens - prefill_before == len(tokens) - full * bs
+        if _exact(b):
+            assert emitted + rest == reference
+    finally:
+        shutil.rmtree(other, ignore_errors=True)
+
+
+@pytest.mark.parametrize("damage", ["fingerprint", "layout", "hashes", "other-tokens", "salt", "short", "long",
+                                    "type"])
+def test_import_kv_checks_every_byte_before_use(tiny_moe, seg_dir, monkeypatch, damage):
+    from planaria.engine import kv_transfer
+
+    a, emitted = _die_after(tiny_moe, monkeypatch)
+    other = _other_node(seg_dir, monkeypatch)
+    try:
+        b = _core(tiny_moe, 2, monkeypatch)
+        tokens = PROMPT + emitted
+        part = kv_transfer.export_kv(a, tokens)
+        assert part["hashes"]
+        args = dict(token_ids=tokens, hashes=part["hashes"], data=part["data"], fingerprint=part["fingerprint"],
+                    layout=part["layout"])
+        if damage == "fingerprint":
+            args["fingerprint"] = bytes(32)
+        elif damage == "layout":
+            args["layout"] = dict(part["layout"], dtype="float16" if part["layout"]["dtype"] != "float16" else "float32")
+        elif damage == "hashes":
+            args["hashes"] = part["hashes"][1:] + part["hashes"][:1]
+        elif damage == "other-tokens":
+            args["token_ids"] = [7] + tokens[1:]
+        elif damage == "salt":
+            args["cache_salt"] = "tenant-b"
+        elif damage == "short":
+            args["data"] = part["data"][:-1]
+        elif damage == "long":
+            args["data"] = part["data"] + b"\0"
+        else:
+            args["data"] = list(part["data"][:8])
+        free = b.kv.pool.num_free_blocks
+        with pytest.raises(ValueError):
+            kv_transfer.import_kv(b, **args)
+        assert b.kv.pool.num_free_blocks == free and b.kv.pool.lookup(part["hashes"][0]) is None
+        # and the export gives nothing to a caller without the tokens' salt
+        assert kv_transfer.export_kv(a, tokens, cache_salt="tenant-b")["hashes"] == []
+    finally:
+        shutil.rmtree(other, ignore_errors=True)
