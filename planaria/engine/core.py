@@ -270,13 +270,11 @@ class EngineCore:
         number of blocks adopted; a segment that cannot be used adopts none."""
         from planaria.engine.block_pool import hash_request_blocks
 
+        from planaria.engine.kv_transfer import check_tokens
+
         if not isinstance(segment, str) or len(segment) > 64:
             raise ValueError("segment must be a segment name")
-        if not isinstance(token_ids, list) or len(token_ids) > self.max_model_len or not all(
-                type(t) is int and 0 <= t < self.vocab_size for t in token_ids):
-            raise ValueError(f"token_ids must be a list of at most {self.max_model_len} token ids")
-        if cache_salt is not None and (not isinstance(cache_salt, str) or not 0 < len(cache_salt) <= MAX_CACHE_SALT_CHARS):
-            raise ValueError(f"cache_salt must be a string of 1 to {MAX_CACHE_SALT_CHARS} characters")
+        check_tokens(self, token_ids, cache_salt)
         try:
             adopted = self._adopt(hash_request_blocks(token_ids, self.kv.block_size, [], cache_salt), segment)
         except SalvageRefused as exc:

@@ -37,7 +37,8 @@ EXPORT_MAX_BYTES = 8 << 20  # K/V per reply by default
 EXPORT_LIMIT_BYTES = 64 << 20  # and at most, whatever the caller asks
 
 
-def _check_tokens(core, token_ids: Any, cache_salt: Any) -> None:
+def check_tokens(core, token_ids: Any, cache_salt: Any) -> None:
+    """A request's tokens (and salt) as a caller of prefetch_kv / export_kv / import_kv gave them."""
     from planaria.engine.messages import MAX_CACHE_SALT_CHARS
 
     if not isinstance(token_ids, list) or len(token_ids) > core.max_model_len or not all(
@@ -64,7 +65,7 @@ def export_kv(core, token_ids: list[int], cache_salt: str | None = None, start_b
     """The leading run of committed blocks of ``token_ids`` from block ``start_block`` on:
     {"hashes", "data" (K/V as [layers, 2, blocks, block elements] bytes), "fingerprint",
     "layout", "num_full_blocks" (of the tokens)}; no hashes when there is nothing (more)."""
-    _check_tokens(core, token_ids, cache_salt)
+    check_tokens(core, token_ids, cache_salt)
     if type(start_block) is not int or start_block < 0:
         raise ValueError("start_block must be an integer >= 0")
     if type(max_bytes) is not int or max_bytes <= 0:
@@ -96,7 +97,7 @@ def import_kv(core, token_ids: list[int], hashes: list[int], data: bytes, finger
               cache_salt: str | None = None, start_block: int = 0) -> dict:
     """Blocks ``export_kv`` sent, into this engine's prefix cache: {"blocks": adopted}.
     Every byte is checked first; anything that does not match raises ValueError."""
-    _check_tokens(core, token_ids, cache_salt)
+    check_tokens(core, token_ids, cache_salt)
     if type(start_block) is not int or start_block < 0:
         raise ValueError("start_block must be an integer >= 0")
     seg = _segment(core)
