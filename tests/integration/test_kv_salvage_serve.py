@@ -147,6 +147,31 @@ def test_a_drained_engine_hands_its_streams_over_with_their_kv(stack):
     stack.wait_ready(90)
 
 
+def test_the_survivor_killed_mid_handover_loses_nothing(stack):
+    """The engine the requests are moving to dies while it copies their KV (SIGKILL right
+    after the drain began): the moves fail over as a death (replays once an engine serves
+    again), and every text is still the fault-free pass's."""
+    bodies = _bodies()
+    stack.wait_ready(90)
+    first = _pass(stack, bodies)
+
+    def drain_then_kill_the_target():
+        engine = _busiest(stack)
+        engines = {e["engine_id"]: e["pid"] for e in stack.status()["engines"]}
+        os.kill(engines[engine], signal.SIGUSR2)
+        time.sleep(0.02)  # the survivors are copying (prefetch_kv) now, or about to
+        for other, pid in engines.items():
+            if other != engine:
+                os.kill(pid, signal.SIGKILL)
+
+    second = _pass(stack, bodies, drain_then_kill_the_target)
+    failed = [(i, r["status"], r["error"]) for i, r in enumerate(second) if r["error"] is not None or r["status"] != 200]
+    assert not failed, failed
+    differ = [i for i, (a, b) in enumerate(zip(first, second)) if a["text"] != b["text"]]
+    assert not differ, f"{len(differ)} of {NUM_STREAMS} differ: {differ}"
+    stack.wait_ready(90)
+
+
 def test_no_segment_outlives_serve(tiny_moe, tmp_path_factory):
     """Stopped cleanly: the segment dir is gone. SIGKILLed with its engines: the next
     `planaria serve` on that runtime dir sweeps what they left."""
