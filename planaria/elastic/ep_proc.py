@@ -303,6 +303,7 @@ class EPEngineCoreProc(EngineCoreProc):
             return
         if outputs:
             self._publish(outputs)
+        self._offer_weights_handover()
 
     def _dummy(self) -> list:
         self.core.execute_dummy_step()

@@ -682,22 +682,37 @@ class EngineClient:
         info = self._engines.get(index)
         segment = info.kv_segment if info is not None else ""
         streams = [(rid, st) for rid, st in self._streams.items() if st.engine_index == index]
+        # a drain hands over to any survivor; a "hand_over" weight load (the engine stays,
+        # RUNNING) only to engines on its old weights with no load of their own in progress
+        weights = info is not None and info.state == EngineInfoState.RUNNING
+        exclude = {index}
+        if streams and weights:
+            exclude |= await self._other_weights(index)
+            if len(exclude) >= len(self._engines):
+                log.info("engine %d: no engine serves its old weights: its requests finish there", index)
+                return
 
         async def prefetch(rid: str, st: _Stream) -> None:
             req = st.request
-            if req is None or not segment or req.sampling_params.prompt_logprobs is not None:
+            if req is None:
                 return
-            target = self._route(req, {index}, None).index
-            token_ids = list(req.prompt_token_ids) + st.output_ids
-            salt = {"cache_salt": req.cache_salt} if req.cache_salt else {}
-            try:
-                got = await self.call_utility(target, "prefetch_kv", {
-                    "segment": segment, "token_ids": token_ids, **salt}, timeout_s=HANDOVER_PREFETCH_S)
-                if isinstance(got, dict) and got.get("seen") is False:  # another node: relay the blocks
-                    await self._transfer_kv(index, target, token_ids, salt)
-            except Exception as exc:  # noqa: BLE001 - the move copies everything itself then
-                log.info("engine %d: KV prefetch of %s on engine %d failed: %s", index, rid, target, exc)
+            target = self._route(req, exclude, None).index
+            if segment and req.sampling_params.prompt_logprobs is None:
+                token_ids = list(req.prompt_token_ids) + st.output_ids
+                salt = {"cache_salt": req.cache_salt} if req.cache_salt else {}
+                try:
+                    got = await self.call_utility(target, "prefetch_kv", {
+                        "segment": segment, "token_ids": token_ids, **salt}, timeout_s=HANDOVER_PREFETCH_S)
+                    if isinstance(got, dict) and got.get("seen") is False:  # another node: relay the blocks
+                        await self._transfer_kv(index, target, token_ids, salt)
+                except Exception as exc:  # noqa: BLE001 - the move copies everything itself then
+                    log.info("engine %d: KV prefetch of %s on engine %d failed: %s", index, rid, target, exc)
+                    if not weights:
+                        return
+            elif not weights:
                 return
+            # pinned: the move goes to the engine that copied its KV (a weight handover's
+            # move also when the copy failed: that engine serves the old weights)
             now = time.monotonic()
             if len(self._handover_pins) > MAX_HANDOVER_PINS:  # pins of moves that never came
                 self._handover_pins = {k: v for k, v in self._handover_pins.items() if v[1] > now - HANDOVER_PIN_S}
@@ -705,16 +720,33 @@ class EngineClient:
 
         if not streams:
             return  # nothing of this client's there: the engine drains without waiting for it
+        if weights and any(st.request is None for _, st in streams):
+            return  # one it could not pin to the old weights: they finish there
         try:
-            if segment:
-                await asyncio.gather(*(prefetch(rid, st) for rid, st in streams))
+            await asyncio.gather(*(prefetch(rid, st) for rid, st in streams))
             info = self._engines.get(index)
-            if info is not None and info.pid == pid and info.state == EngineInfoState.DRAINING:
+            if info is not None and info.pid == pid and info.state in (EngineInfoState.DRAINING,
+                                                                       EngineInfoState.RUNNING):
                 await self.call_utility(index, "hand_over", {}, timeout_s=HANDOVER_PREFETCH_S)
         except EngineDeadError as exc:  # gone meanwhile: its requests were failed over as a death
             log.info("engine %d: gone before the handover: %s", index, exc)
         except Exception as exc:  # noqa: BLE001 - the engine hands everything over at its deadline
             log.warning("engine %d: handover request failed: %s", index, exc)
+
+    async def _other_weights(self, index: int) -> set[int]:
+        """The engines a weight handover from ``index`` must not go to: those whose weight
+        version differs from its, that have a load in progress, or that do not answer."""
+        others = [e for e in self._engines.values() if e.index != index and e.state == EngineInfoState.RUNNING]
+        results = await asyncio.gather(*(self.call_utility(i, "weight_status", {}, timeout_s=HANDOVER_PREFETCH_S)
+                                         for i in [index] + [e.index for e in others]), return_exceptions=True)
+        mine = results[0].get("version") if isinstance(results[0], dict) else None
+        bad = {e.index for e in self._engines.values() if e.state != EngineInfoState.RUNNING}
+        for e, r in zip(others, results[1:]):
+            load = r.get("load") if isinstance(r, dict) else None
+            busy = isinstance(load, dict) and load.get("state") in ("reading", "ready")
+            if mine is None or not isinstance(r, dict) or r.get("version") != mine or busy:
+                bad.add(e.index)
+        return bad
 
     async def _transfer_kv(self, source: int, target: int, token_ids: list[int], salt: dict) -> int:
         """A handover's pre-copy to an engine that cannot read the source's segment (another
@@ -764,7 +796,8 @@ class EngineClient:
         self._set_state(info, state, status.reason)
         if state in _NO_INDEX or status.requests_dropped:
             self._drop_index(info)
-        if status.handover_pending and state == EngineInfoState.DRAINING and not self._closed:
+        if status.handover_pending and state in (EngineInfoState.DRAINING, EngineInfoState.RUNNING) \
+                and not self._closed:
             task = asyncio.ensure_future(self._hand_over(info.index, info.pid))
             self._handover_tasks.add(task)
             task.add_done_callback(self._handover_tasks.discard)

@@ -628,7 +628,7 @@ class EngineCore:
         if not load.read_done:
             return
         if load.error is None:
-            if load.mode == "finish_old":
+            if load.mode != "continue_new":
                 self.scheduler.admit_new = False  # new requests wait for the new weights
             in_flight = len(self.batch_queue) + (self._inflight is not None)
             if load.decide(self.scheduler.num_running, in_flight) != "swap":
@@ -649,6 +649,20 @@ class EngineCore:
                     self.kv.record.invalidate_all(self.runner.kv_fingerprint(self.kv_identity))
         self._weight_update, self.last_weight_load = None, load
         self.scheduler.admit_new = True
+
+    def weights_handover_due(self) -> bool:
+        """A "hand_over" load is read and requests still run on the old weights: the engine
+        process offers them to the frontends once (engine/proc.py)."""
+        load = self._weight_update
+        if load is None or load.mode != "hand_over" or load.offered or not load.read_done or load.error:
+            return False
+        load.offered = True
+        return self.scheduler.num_running + self.scheduler.num_waiting > 0 and self.runner.kv_segment is not None
+
+    def weights_handover_open(self) -> bool:
+        """Requests may still be handed over for a "hand_over" load (not swapped yet)."""
+        load = self._weight_update
+        return load is not None and load.mode == "hand_over" and load.offered and load.error is None
 
     def reset_prefix_cache(self) -> bool:
         return self.kv.reset_prefix_cache()

@@ -297,12 +297,15 @@ class EngineCoreProc:
             if ids:
                 self.core.abort_requests(ids)
         elif msg_type == MsgType.UTILITY and msg.method == "hand_over":  # needs the caller's slot
-            if self._handover_deadline is None and not self._handover:
+            weights = getattr(self.core, "weights_handover_open", None)
+            if self._handover_deadline is None and not self._handover and not (weights is not None and weights()):
                 result = UtilityResult(call_id=msg.call_id, ok=False, engine_index=self.engine_index,
                                        error="no handover in progress", code=UtilityErrorCode.BAD_STATE.value)
             else:
                 result = UtilityResult(call_id=msg.call_id, ok=True, engine_index=self.engine_index,
                                        result={"handed_over": self._hand_over(slot)})
+                if weights is not None and weights():  # the swap needs a step, and none may come
+                    self.input_queue.put((None, MsgType.WAKEUP, None))
             self.output_queue.put((slot, MsgType.UTILITY_RESULT, result))
         elif msg_type == MsgType.UTILITY:
             self.output_queue.put((slot, MsgType.UTILITY_RESULT, self._utility(msg)))
@@ -355,8 +358,18 @@ class EngineCoreProc:
             self._engine_fault(exc, time.monotonic())
             return
         self._publish(outputs)
+        self._offer_weights_handover()
         if not executed and not outputs:
             self._process_inputs(block_s=0.001)  # nothing schedulable yet: do not spin
+
+    def _offer_weights_handover(self) -> None:
+        """A "hand_over" weight load is read (engine/weight_update.py): offer the requests
+        still on the old weights to the frontends, once (they move them, or let them finish)."""
+        due = getattr(self.core, "weights_handover_due", None)
+        if due is not None and due():
+            self.output_queue.put((None, MsgType.STATUS, EngineStatus(
+                engine_index=self.engine_index, state=self.state.value, pid=os.getpid(), handover_pending=True,
+                reason="new weights read; handing its requests over to engines on the old weights")))
 
     def _publish(self, outputs: list[EngineCoreOutput]) -> None:
         details = self.core.take_iteration_details()

@@ -18,7 +18,11 @@ mode allows. A failed read leaves the old weights serving and is reported in
 
 Modes: "finish_old" keeps serving while the new checkpoint is read; once it is read, no
 new request is admitted, the running ones finish on the old weights, then the swap and
-admission resumes. "continue_new" swaps at the first boundary after the read and preempts
+admission resumes. "hand_over" is "finish_old" where other engines still serve the old
+weights: once the checkpoint is read, the engine offers its requests (STATUS
+``handover_pending``); each frontend moves them, with their KV (engine/kv_segment.py), to an
+engine on the same weight version with no load of its own in progress, and the swap
+follows at once; requests no frontend takes finish here first. "continue_new" swaps at the first boundary after the read and preempts
 the running requests, so their KV is recomputed with the new weights.
 
 States of a load: reading -> ready -> applied, or reading|ready -> failed.
@@ -40,7 +44,7 @@ from planaria.engine.errors import EngineError, WeightLoadError
 
 log = structlog.get_logger("planaria.engine.weights")
 
-MODES = ("finish_old", "continue_new")
+MODES = ("finish_old", "hand_over", "continue_new")
 IN_PROGRESS = "a weight load is already in progress"  # WeightLoadInProgressError: code "conflict"
 _load_ids = itertools.count(1)
 
@@ -127,6 +131,7 @@ class WeightLoad:
         self.model_dir = model_dir
         self.version = version  # the requested one, or the content hash once read
         self.mode = mode
+        self.offered = False  # "hand_over": the requests were offered to the frontends (EngineCore)
         self.state = "reading"
         self.error: str | None = None
         self.tensors: dict[str, torch.Tensor] = {}
@@ -185,7 +190,7 @@ class WeightLoad:
         boundary, else "wait"."""
         if not self.read_done or num_in_flight_batches:
             return "wait"  # still reading, or a batch still runs on the old weights
-        if self.mode == "finish_old" and num_running:
+        if self.mode != "continue_new" and num_running:
             return "wait"
         return "swap"
 

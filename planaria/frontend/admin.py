@@ -47,7 +47,7 @@ from planaria.engine.wire import UtilityErrorCode
 
 log = logging.getLogger(__name__)
 
-MODES = ("finish_old", "continue_new")  # engine/weight_update.py (not imported: it pulls in torch)
+MODES = ("finish_old", "hand_over", "continue_new")  # engine/weight_update.py (not imported: it pulls in torch)
 DEFAULT_UTILITY_TIMEOUT_S = 4.0
 
 

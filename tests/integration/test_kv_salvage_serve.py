@@ -10,12 +10,14 @@ every text equals the fault-free pass's. After `planaria serve` stops, no segmen
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import random
 import re
 import signal
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 
 import aiohttp
@@ -170,6 +172,39 @@ def test_the_survivor_killed_mid_handover_loses_nothing(stack):
     differ = [i for i, (a, b) in enumerate(zip(first, second)) if a["text"] != b["text"]]
     assert not differ, f"{len(differ)} of {NUM_STREAMS} differ: {differ}"
     stack.wait_ready(90)
+
+
+def test_a_rolling_weight_update_hands_the_streams_over_to_the_old_weights(stack, tiny_moe):
+    """`planaria load-weights DIR --engine E --policy hand_over` while E streams: once E has
+    read the weights, its streams move with their KV to the other engine, still on the old
+    weight version (the same checkpoint under a new version name here, so the texts can be
+    compared with the fault-free pass), and E swaps without waiting for them."""
+    from planaria.daemon.control import ControlClient
+
+    bodies = _bodies()
+    stack.wait_ready(90)
+    first = _pass(stack, bodies)
+    moves_before = stack.metrics().get("planaria_request_moves_total", 0.0)
+    loaded = []
+
+    def load():
+        engine = _busiest(stack)
+        started = ControlClient(stack.runtime, timeout_s=30).call(
+            "load-weights", action="load", model_dir=str(Path(tiny_moe).resolve()), policy="hand_over",
+            engine_id=engine, version="rollout-2")
+        loaded.append((engine, started))
+
+    second = _pass(stack, bodies, load)
+    failed = [(i, r["status"], r["error"]) for i, r in enumerate(second) if r["error"] is not None or r["status"] != 200]
+    assert not failed, failed
+    differ = [i for i, (a, b) in enumerate(zip(first, second)) if a["text"] != b["text"]]
+    assert not differ, f"{len(differ)} of {NUM_STREAMS} differ: {differ}"
+    [(engine, started)] = loaded
+    assert list(started["engines"]) == [str(engine)], started
+    assert stack.metrics().get("planaria_request_moves_total", 0.0) > moves_before, stack.logs()
+    with urllib.request.urlopen(f"{stack.base}/v1/models", timeout=10) as r:
+        versions = json.loads(r.read())["data"][0]["weight_versions"]
+    assert versions[str(engine)] == "rollout-2" and versions[str(1 - engine)] != "rollout-2", versions
 
 
 def test_no_segment_outlives_serve(tiny_moe, tmp_path_factory):

@@ -40,7 +40,7 @@ from planaria.daemon.commands._common import EXIT_BAD_ARGUMENT, add_daemon_argum
 
 NAME = "load-weights"
 HELP = "load new weights into the running engines (rolling weight update)"
-POLICIES = ("finish_old", "continue_new")
+POLICIES = ("finish_old", "hand_over", "continue_new")
 FRONTEND_TIMEOUT_S = 5.0  # the supervisor's loop waits at most this for the frontend
 EXIT_TIMEOUT = 6
 POLL_INTERVAL_S = 0.2
@@ -51,7 +51,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="Hugging Face model directory with the new weights")
     parser.add_argument("--policy", choices=POLICIES, default="finish_old",
                         help="finish_old: running requests finish on the old weights first "
-                             "(default); continue_new: swap now, running requests recompute")
+                             "(default); hand_over: they move, with their KV, to engines still on "
+                             "the old weights (--engine E of a rolling update), then the swap; "
+                             "continue_new: swap now, running requests recompute")
     parser.add_argument("--engine", type=int, metavar="ID", help="only this engine (default: all running)")
     parser.add_argument("--version", help="the version to report in responses (default: content hash)")
     parser.add_argument("--no-wait", action="store_true", help="return once the engines accepted the load")
