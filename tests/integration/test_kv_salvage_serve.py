@@ -58,8 +58,15 @@ def _pass(stack: ServeStack, bodies: list[dict], fault=None) -> list[dict]:
     return asyncio.run(run())
 
 
-def _salvaged_blocks(stack: ServeStack) -> float:
-    return sum(v for k, v in stack.metrics().items() if k.startswith("planaria_engine_salvaged_blocks"))
+def _salvaged_blocks(stack: ServeStack) -> dict[str, float]:
+    """Per engine (since its process started: a restarted engine's count begins at 0)."""
+    return {k: v for k, v in stack.metrics().items() if k.startswith("planaria_engine_salvaged_blocks")}
+
+
+def _salvaged_since(stack: ServeStack, before: dict[str, float]) -> float:
+    """Blocks the engines adopted since ``before``: each engine's growth (a restarted one's
+    count, begun again at 0, counts only past its old value)."""
+    return sum(max(0.0, v - before.get(k, 0.0)) for k, v in _salvaged_blocks(stack).items())
 
 
 def _busiest(stack: ServeStack) -> int:
@@ -117,7 +124,7 @@ def test_a_killed_engines_streams_continue_from_its_kv(stack):
     differ = [i for i, (a, b) in enumerate(zip(first, second)) if a["text"] != b["text"]]
     assert not differ, f"{len(differ)} of {NUM_STREAMS} differ: {differ}"
     # each replay adopted the ~300-token context's committed blocks (tiny-moe: 16 per block)
-    assert _salvaged_blocks(stack) - before >= 10, stack.logs()
+    assert _salvaged_since(stack, before) >= 10, stack.logs()
     # each replay computed its last token or so, not its ~300-token context (the partial
     # last block is adopted too): planaria_replay_recomputed_tokens
     m1 = stack.metrics()
@@ -133,6 +140,7 @@ def test_a_drained_engine_hands_its_streams_over_with_their_kv(stack):
     first = _pass(stack, bodies)
     before = _salvaged_blocks(stack)
     moves_before = stack.metrics().get("planaria_request_moves_total", 0.0)
+    replays_before = stack.metrics().get("planaria_request_replays_total", 0.0)
 
     def drain():
         engine = _busiest(stack)
@@ -144,8 +152,14 @@ def test_a_drained_engine_hands_its_streams_over_with_their_kv(stack):
     assert not failed, failed
     differ = [i for i, (a, b) in enumerate(zip(first, second)) if a["text"] != b["text"]]
     assert not differ, f"{len(differ)} of {NUM_STREAMS} differ: {differ}"
-    assert stack.metrics().get("planaria_request_moves_total", 0.0) > moves_before, stack.logs()
-    assert _salvaged_blocks(stack) - before >= 10, stack.logs()
+    m = stack.metrics()
+    moved = m.get("planaria_request_moves_total", 0.0) - moves_before
+    if "ep" in stack.serve_args:
+        # an EP rank that drains leaves the epoch: its requests move, or, when the group
+        # re-formed without it first, are replayed with its KV (salvage) all the same
+        moved += m.get("planaria_request_replays_total", 0.0) - replays_before
+    assert moved > 0, stack.logs()
+    assert _salvaged_since(stack, before) >= 10, stack.logs()
     stack.wait_ready(90)
 
 
@@ -178,8 +192,6 @@ def test_the_draining_engine_killed_mid_handover_loses_nothing(stack):
     """The draining engine is SIGKILLed while the survivors copy its KV (right after the
     drain began): its requests fail over as a death, their replays adopt its committed KV
     from the segment it left, and every text is the fault-free pass's."""
-    if "ep" in stack.serve_args:  # failed 1 run in 3 there, not diagnosed yet (issue 29's note)
-        pytest.skip("replica mode only for now: expert-parallel drain + SIGKILL mid-handover is flaky")
     bodies = _bodies()
     stack.wait_ready(90)
     first = _pass(stack, bodies)
@@ -197,7 +209,7 @@ def test_the_draining_engine_killed_mid_handover_loses_nothing(stack):
     assert not failed, failed
     differ = [i for i, (a, b) in enumerate(zip(first, second)) if a["text"] != b["text"]]
     assert not differ, f"{len(differ)} of {NUM_STREAMS} differ: {differ}"
-    assert _salvaged_blocks(stack) - before >= 10, stack.logs()
+    assert _salvaged_since(stack, before) >= 10, stack.logs()
     stack.wait_ready(90)
 
 
