@@ -58,6 +58,14 @@ def _pass(stack: ServeStack, bodies: list[dict], fault=None) -> list[dict]:
     return asyncio.run(run())
 
 
+def _assert_same_texts(first: list[dict], second: list[dict]) -> None:
+    """No stream of the faulted pass failed, and each text is the fault-free pass's."""
+    failed = [(i, r["status"], r["error"]) for i, r in enumerate(second) if r["error"] is not None or r["status"] != 200]
+    assert not failed, failed
+    differ = [i for i, (a, b) in enumerate(zip(first, second)) if a["text"] != b["text"]]
+    assert not differ, f"{len(differ)} of {NUM_STREAMS} differ: {differ}"
+
+
 def _salvaged_blocks(stack: ServeStack) -> dict[str, float]:
     """Per engine (since its process started: a restarted engine's count begins at 0)."""
     return {k: v for k, v in stack.metrics().items() if k.startswith("planaria_engine_salvaged_blocks")}
@@ -119,10 +127,7 @@ def test_a_killed_engines_streams_continue_from_its_kv(stack):
         stack.fault(_busiest(stack), "kill")
 
     second = _pass(stack, bodies, kill)
-    failed = [(i, r["status"], r["error"]) for i, r in enumerate(second) if r["error"] is not None or r["status"] != 200]
-    assert not failed, failed
-    differ = [i for i, (a, b) in enumerate(zip(first, second)) if a["text"] != b["text"]]
-    assert not differ, f"{len(differ)} of {NUM_STREAMS} differ: {differ}"
+    _assert_same_texts(first, second)
     # each replay adopted the ~300-token context's committed blocks (tiny-moe: 16 per block)
     assert _salvaged_since(stack, before) >= 10, stack.logs()
     # each replay computed its last token or so, not its ~300-token context (the partial
@@ -148,10 +153,7 @@ def test_a_drained_engine_hands_its_streams_over_with_their_kv(stack):
         os.kill(pid, signal.SIGUSR2)  # what the supervisor sends for a drain with survivors
 
     second = _pass(stack, bodies, drain)
-    failed = [(i, r["status"], r["error"]) for i, r in enumerate(second) if r["error"] is not None or r["status"] != 200]
-    assert not failed, failed
-    differ = [i for i, (a, b) in enumerate(zip(first, second)) if a["text"] != b["text"]]
-    assert not differ, f"{len(differ)} of {NUM_STREAMS} differ: {differ}"
+    _assert_same_texts(first, second)
     m = stack.metrics()
     moved = m.get("planaria_request_moves_total", 0.0) - moves_before
     if "ep" in stack.serve_args:
@@ -181,10 +183,7 @@ def test_the_survivor_killed_mid_handover_loses_nothing(stack):
                 os.kill(pid, signal.SIGKILL)
 
     second = _pass(stack, bodies, drain_then_kill_the_target)
-    failed = [(i, r["status"], r["error"]) for i, r in enumerate(second) if r["error"] is not None or r["status"] != 200]
-    assert not failed, failed
-    differ = [i for i, (a, b) in enumerate(zip(first, second)) if a["text"] != b["text"]]
-    assert not differ, f"{len(differ)} of {NUM_STREAMS} differ: {differ}"
+    _assert_same_texts(first, second)
     stack.wait_ready(90)
 
 
@@ -205,10 +204,7 @@ def test_the_draining_engine_killed_mid_handover_loses_nothing(stack):
         os.kill(pid, signal.SIGKILL)
 
     second = _pass(stack, bodies, drain_then_kill_it)
-    failed = [(i, r["status"], r["error"]) for i, r in enumerate(second) if r["error"] is not None or r["status"] != 200]
-    assert not failed, failed
-    differ = [i for i, (a, b) in enumerate(zip(first, second)) if a["text"] != b["text"]]
-    assert not differ, f"{len(differ)} of {NUM_STREAMS} differ: {differ}"
+    _assert_same_texts(first, second)
     assert _salvaged_since(stack, before) >= 10, stack.logs()
     stack.wait_ready(90)
 
@@ -234,10 +230,7 @@ def test_a_rolling_weight_update_hands_the_streams_over_to_the_old_weights(stack
         loaded.append((engine, started))
 
     second = _pass(stack, bodies, load)
-    failed = [(i, r["status"], r["error"]) for i, r in enumerate(second) if r["error"] is not None or r["status"] != 200]
-    assert not failed, failed
-    differ = [i for i, (a, b) in enumerate(zip(first, second)) if a["text"] != b["text"]]
-    assert not differ, f"{len(differ)} of {NUM_STREAMS} differ: {differ}"
+    _assert_same_texts(first, second)
     [(engine, started)] = loaded
     assert list(started["engines"]) == [str(engine)], started
     if "ep" not in stack.serve_args:  # EP: 1 run in 2 under a CPU hog moved none (undiagnosed;
