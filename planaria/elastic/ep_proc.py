@@ -54,6 +54,7 @@ from planaria.engine.wire import MsgType
 log = logging.getLogger(__name__)
 IDLE_POLL_S = 0.005  # an idle rank re-syncs this often (start latency of new work)
 EP_FAULT_ENV = "PLANARIA_EP_FAULT"  # chaos tests (with PLANARIA_FAULT_INJECTION=1)
+LATE_WATCH_S = 1.0  # PLANARIA_EP_FAULT=late_epoch_watch: a leaving rank's watch this late
 COLLECTIVE_WAIT_S = 0.5  # in one collective longer than this: waiting on a peer
 
 
@@ -117,20 +118,38 @@ class EPEngineCoreProc(EngineCoreProc):
 
     def _on_epoch_events(self, events) -> None:
         """The watch thread: offer each valid epoch to the state machine, wake the loop."""
+        if self._fault == "late_epoch_watch" and self.rank.leaving:  # its peers learn an epoch first
+            time.sleep(LATE_WATCH_S)
         for ev in events:
-            if ev.key != self.keys.epoch or ev.value is None:
-                continue
-            try:
-                epoch = decode(ev.key, ev.value, Epoch)
-            except Exception as exc:
-                log.error("undecodable epoch: %s", exc)
-                continue
-            problem = self._epoch_refusal(epoch)
-            if problem:
-                log.error("engine %s: epoch %d refused: %s", self.engine_id, epoch.number, problem)
-                continue
-            if self.rank.offer(epoch):
+            if ev.key == self.keys.epoch and ev.value is not None and self._offer_epoch(ev.value):
                 self.input_queue.put((None, MsgType.WAKEUP, None))  # the loop takes the epoch
+
+    def _offer_epoch(self, value: bytes) -> bool:
+        """Decode and check an epoch read from etcd; True when it is newer than every one offered."""
+        try:
+            epoch = decode(self.keys.epoch, value, Epoch)
+        except Exception as exc:
+            log.error("undecodable epoch: %s", exc)
+            return False
+        problem = self._epoch_refusal(epoch)
+        if problem:
+            log.error("engine %s: epoch %d refused: %s", self.engine_id, epoch.number, problem)
+            return False
+        return self.rank.offer(epoch)
+
+    def _catch_up(self, number: int) -> bool:
+        """The group agreed to move to epoch ``number``, which the watch has not brought
+        this rank yet (its peers' watches were quicker): read the epoch key now. True when
+        it is that epoch and is now this rank's pending one."""
+        try:
+            value = self._membership.read(self.keys.epoch) if self._membership is not None else None
+        except Exception as exc:  # noqa: BLE001 - etcd unreachable: the rank drops out of the group
+            log.warning("engine %s: epoch %d not read (%s)", self.engine_id, number, exc)
+            return False
+        if value is not None:
+            self._offer_epoch(value)
+            self._act(self.rank.take())
+        return self.rank.pending_number == number
 
     def _epoch_refusal(self, epoch: Epoch) -> str | None:
         """Why this engine must not act on ``epoch`` (keys.epoch_problem with what this
@@ -229,7 +248,8 @@ class EPEngineCoreProc(EngineCoreProc):
             self._group_busy = False
             result = self.ep.sync(has_work, pending if ready else None, leaving=rank.leaving)
             self._group_busy = result.any_work
-            if result.switch_to is not None and rank.pending_number == result.switch_to:
+            if result.switch_to is not None and (rank.pending_number == result.switch_to
+                                                 or self._catch_up(result.switch_to)):
                 self._act(rank.switch_agreed())
             elif result.switch_to is not None:  # an epoch this rank has not seen leaves it out
                 self._group_failed(number, CollectiveError(

@@ -241,6 +241,12 @@ class Membership:
 
     # ----------------------------------------------------------------- reads, watches
 
+    def read(self, key: str) -> bytes | None:
+        """One key's value now (None: absent); raises EtcdUnavailableError."""
+        with etcd_call(f"get {key}"):
+            value, _meta = self.client.get(key)
+        return value
+
     def list_nodes(self) -> list[NodeInfo]:
         return self._list(self.layout.nodes_prefix, NodeInfo)
 

@@ -41,7 +41,8 @@ def _free_port() -> int:
 
 
 class Daemon:
-    def __init__(self, model: str, root: Path, extra_args: tuple[str, ...] = ()) -> None:
+    def __init__(self, model: str, root: Path, extra_args: tuple[str, ...] = (),
+                 env: dict[str, str] | None = None) -> None:
         from planaria.daemon.admin_keys import make_keypair
 
         self.root = root
@@ -57,7 +58,7 @@ class Daemon:
         self.port = _free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         self.env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1",
-                        HF_HUB_OFFLINE="1", PLANARIA_LOG_FORMAT="json")
+                        HF_HUB_OFFLINE="1", PLANARIA_LOG_FORMAT="json", **(env or {}))
         self.log_path = root / "serve.log"
         cmd = [*PLANARIA, "serve", "--model", model, "--engines", "2", "--max-engines", "3",
                "--http", f"127.0.0.1:{self.port}", "--state-dir", str(self.state),
