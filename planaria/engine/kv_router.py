@@ -13,6 +13,11 @@ Two policies (``planaria serve --routing``):
   over the engines that are not overloaded: an engine with more than ``imbalance_abs``
   requests and ``imbalance_rel`` times more than the least loaded one (or whose KV cache
   is ``kv_full``) takes no request for its prefix's sake, only when nothing else can.
+  That bound is for a *shared* prefix (a system prompt other requests routed lately also
+  matched up to the same block): caching it on a second engine once serves all of them, so
+  it spreads early. A prefix no recent request shared (a conversation's own history) is
+  worth a longer queue, up to ``private_imbalance_abs`` / ``private_imbalance_rel``: its
+  recomputation elsewhere is paid again for every conversation that moves.
   A request no engine holds a prefix of goes to the least loaded engine, as with
   ``least-loaded``; so does one whose longest cached prefix is shorter than
   ``min_match_tokens`` (a chat template's few shared tokens are not worth any imbalance),
@@ -30,13 +35,22 @@ from __future__ import annotations
 
 import itertools
 import struct
-from collections.abc import Sequence
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, Protocol
 
 from planaria.engine.block_pool import hash_request_blocks
 from planaria.engine.messages import EngineCoreRequest
+
+
+# A prefix is "shared" once this many requests routed lately (a count halved every
+# SHARED_HALF_LIFE_S) matched up to its last block; at most RECENT_MAX such blocks kept.
+SHARED_MIN = 1.0
+SHARED_HALF_LIFE_S = 10.0
+RECENT_MAX = 4096
 
 
 class RoutingPolicy(StrEnum):
@@ -69,6 +83,9 @@ class RouteWeights:
     # overloaded: more than imbalance_abs requests and imbalance_rel x more than the least loaded
     imbalance_abs: int = 4
     imbalance_rel: float = 0.5
+    # the same for a prefix no request routed lately shared (a conversation's history)
+    private_imbalance_abs: int = 16
+    private_imbalance_rel: float = 1.0
     kv_full: float = 0.95  # KV use at which an engine would preempt to take more
     min_match_tokens: int = 64  # a shorter cached prefix counts as none
 
@@ -83,9 +100,10 @@ class Route:
 
 
 def decide(policy: RoutingPolicy, candidates: Sequence[Candidate], num_prompt_tokens: int, block_size: int,
-           turn: int = 0, weights: RouteWeights = RouteWeights()) -> Route:
+           turn: int = 0, weights: RouteWeights = RouteWeights(), shared: bool = True) -> Route:
     """The engine for one request among ``candidates`` (not empty); ``turn`` rotates ties
-    (pass a counter), so equal engines take requests in turn."""
+    (pass a counter), so equal engines take requests in turn; ``shared``: other requests
+    routed lately matched the longest cached prefix too (the tight imbalance bound)."""
     if not candidates:
         raise ValueError("no candidate engine")
     n = len(candidates)
@@ -100,7 +118,10 @@ def decide(policy: RoutingPolicy, candidates: Sequence[Candidate], num_prompt_to
         return Route(least.index, RouteReason.LEAST_LOADED, least.num_matched_blocks)
     if best_match * block_size < weights.min_match_tokens:
         return Route(least.index, RouteReason.NO_PREFIX)
-    limit = least.load + max(weights.imbalance_abs, weights.imbalance_rel * least.load)
+    if shared:
+        limit = least.load + max(weights.imbalance_abs, weights.imbalance_rel * least.load)
+    else:
+        limit = least.load + max(weights.private_imbalance_abs, weights.private_imbalance_rel * least.load)
     eligible = [c for c in candidates if c.load <= limit and c.kv_usage < weights.kv_full] or \
                [c for c in candidates if c.load <= limit]
 
@@ -136,11 +157,15 @@ class Router:
     """A client's routing: the policy, its weights, the decisions by reason and the turn
     that breaks ties. The client hands it the running engines and acts on its Route."""
 
-    def __init__(self, policy: RoutingPolicy = RoutingPolicy.KV, weights: RouteWeights = RouteWeights()) -> None:
+    def __init__(self, policy: RoutingPolicy = RoutingPolicy.KV, weights: RouteWeights = RouteWeights(),
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.policy = policy
         self.weights = weights
         self.decisions: dict[str, int] = {r.value: 0 for r in RouteReason}
         self._turn = itertools.count()
+        self._clock = clock
+        # the last matched block's hash of requests routed lately -> (decayed count, when)
+        self._recent: OrderedDict[int, tuple[float, float]] = OrderedDict()
 
     def route(self, running: Sequence[RoutedEngine], request: EngineCoreRequest, hashes: list[int] | None,
               block_size: int) -> Route:
@@ -150,12 +175,30 @@ class Router:
             hashes = prompt_hashes(request, block_size)
         candidates = [Candidate(e.index, e.load, e.stats.kv_usage if e.stats else 0.0,
                                 e.prefix.num_matched(hashes) if hashes else 0) for e in running]
+        best = max(c.num_matched_blocks for c in candidates)
+        shared = best > 0 and self._sharers(hashes[best - 1]) >= SHARED_MIN
         route = decide(self.policy, candidates, len(request.prompt_token_ids), block_size, next(self._turn),
-                       self.weights)
+                       self.weights, shared)
         return Route(route.index, route.reason, route.num_matched_blocks, hashes)
 
     def count(self, route: Route) -> None:
+        """``route`` was taken: counted by reason, and its matched prefix remembered."""
         self.decisions[route.reason.value] += 1
+        if route.num_matched_blocks and route.hashes:
+            key = route.hashes[route.num_matched_blocks - 1]
+            self._recent[key] = (self._sharers(key) + 1.0, self._clock())
+            self._recent.move_to_end(key)
+            while len(self._recent) > RECENT_MAX:
+                self._recent.popitem(last=False)
+
+    def _sharers(self, key: int) -> float:
+        """How many requests routed lately matched up to block ``key`` (halved every
+        SHARED_HALF_LIFE_S)."""
+        entry = self._recent.get(key)
+        if entry is None:
+            return 0.0
+        count, when = entry
+        return count * 0.5 ** (max(0.0, self._clock() - when) / SHARED_HALF_LIFE_S)
 
     def status(self, engines: Sequence[RoutedEngine]) -> dict[str, Any]:
         """Per engine: blocks in its prefix index, requests routed, their hit rate (the

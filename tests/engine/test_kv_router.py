@@ -69,3 +69,65 @@ def test_a_hot_prefix_spreads_once_its_engine_is_busy():
 def test_no_candidate_is_an_error():
     with pytest.raises(ValueError):
         decide(KV, [], 10, BS)
+
+
+# -- shared vs private prefixes (Router remembers the prefixes it routed lately) ---------------
+class _Index:
+    def __init__(self, held: list[int]) -> None:
+        self.held = held
+
+    def num_matched(self, hashes: list[int]) -> int:
+        n = 0
+        for h, mine in zip(hashes, self.held):
+            if h != mine:
+                break
+            n += 1
+        return n
+
+
+class _Engine:
+    def __init__(self, index: int, load: int, held: list[int]) -> None:
+        self.index, self.load, self.stats, self.prefix = index, load, None, _Index(held)
+
+
+def _request(prompt_len: int):
+    from planaria.engine.messages import EngineCoreRequest
+    from planaria.engine.sampling_params import SamplingParams
+
+    return EngineCoreRequest(request_id="r", prompt_token_ids=list(range(prompt_len)),
+                             sampling_params=SamplingParams(max_tokens=4))
+
+
+def test_a_private_prefix_keeps_a_busier_engine_a_shared_one_spreads():
+    """Engine 0 holds 40 blocks of a prompt, with 10 requests against engine 1's 3: past the
+    shared bound (3 + 4), within the private one (3 + 16). The first request matching that
+    prefix stays (a conversation's history); once requests routed lately shared the same
+    matched block it is a hot prefix and spreads; some half-lives later it is private again."""
+    from planaria.engine.kv_router import SHARED_HALF_LIFE_S, Router, prompt_hashes
+
+    now = [100.0]
+    router = Router(RoutingPolicy.KV, clock=lambda: now[0])
+    request = _request(700)
+    hashes = prompt_hashes(request, BS)
+    engines = [_Engine(0, 10, hashes[:40]), _Engine(1, 3, hashes[:4])]
+    first = router.route(engines, request, None, BS)
+    assert (first.index, first.reason, first.num_matched_blocks) == (0, RouteReason.PREFIX, 40)
+    router.count(first)
+    second = router.route(engines, request, None, BS)
+    assert (second.index, second.reason) == (1, RouteReason.BALANCE)
+    router.count(second)  # its match (4 blocks) is another prefix: the 40th block still shared
+    assert router.route(engines, request, None, BS).index == 1
+    now[0] += 4 * SHARED_HALF_LIFE_S
+    assert router.route(engines, request, None, BS).index == 0
+    # an engine past even the private bound spreads it too
+    engines[0].load = 3 + 17
+    assert router.route(engines, request, None, BS).index == 1
+
+
+def test_routers_memory_of_prefixes_is_bounded():
+    from planaria.engine.kv_router import RECENT_MAX, Route, Router
+
+    router = Router(RoutingPolicy.KV)
+    for i in range(RECENT_MAX + 10):
+        router.count(Route(0, RouteReason.PREFIX, 1, [i]))
+    assert len(router._recent) == RECENT_MAX
