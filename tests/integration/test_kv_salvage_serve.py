@@ -37,25 +37,43 @@ def _bodies() -> list[dict]:
              "max_tokens": 600, "ignore_eos": True, "temperature": 0.0} for i in range(NUM_STREAMS)]
 
 
-def _pass(stack: ServeStack, bodies: list[dict], fault=None) -> list[dict]:
-    """The streams; ``fault`` runs (in a thread) once every stream has streamed 10 chunks."""
+def _pass(stack: ServeStack, bodies: list[dict], fault=None) -> tuple[list[dict], bool]:
+    """The streams, and whether ``fault`` landed: once every stream has its first tokens,
+    ``fault(engine)`` runs (in a thread) on the engine with most of them running (from its
+    heartbeats). Under load the client reads its chunks late, so they may all be done by
+    then; the fault is not applied and the pass did not land (``_faulted_pass`` runs it again)."""
     times: list[list[float]] = [[] for _ in bodies]
+    landed = []
 
     async def run() -> list[dict]:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=180)) as s:
             async def chaos():
                 if fault is None:
                     return
-                while min(len(t) for t in times) < 10:
+                while min(len(t) for t in times) < 2:
                     await asyncio.sleep(0.005)
-                await asyncio.get_running_loop().run_in_executor(None, fault)
+                loop = asyncio.get_running_loop()
+                engine = await loop.run_in_executor(None, _busiest, stack)
+                if engine is not None:
+                    await loop.run_in_executor(None, fault, engine)
+                    landed.append(engine)
 
             results, _ = await asyncio.gather(
                 asyncio.gather(*[stream_completion(s, stack.base, b, chunk_times=t) for b, t in zip(bodies, times)]),
                 chaos())
             return results
 
-    return asyncio.run(run())
+    return asyncio.run(run()), bool(landed)
+
+
+def _faulted_pass(stack: ServeStack, bodies: list[dict], fault) -> list[dict]:
+    """A pass whose fault landed on an engine with streams running (at most 3 tries)."""
+    for _ in range(3):
+        results, landed = _pass(stack, bodies, fault)
+        if landed:
+            return results
+        stack.wait_ready(90)
+    raise AssertionError("the streams were done before the fault, 3 times")
 
 
 def _assert_same_texts(first: list[dict], second: list[dict]) -> None:
@@ -77,21 +95,41 @@ def _salvaged_since(stack: ServeStack, before: dict[str, float]) -> float:
     return sum(max(0.0, v - before.get(k, 0.0)) for k, v in _salvaged_blocks(stack).items())
 
 
-def _busiest(stack: ServeStack) -> int:
-    """An engine with requests running, from a heartbeat sent after this call: the last one
-    may still count the previous pass's requests, which the prefix-aware routing may have
-    placed elsewhere. An engine whose step_counter moved since is stepping now, so its count
-    is current (the first such engine with requests; the streams are short)."""
+def _assert_kv_kept(stack: ServeStack, salvaged_before: dict[str, float], m0: dict[str, float]) -> None:
+    """The faulted engine's streams went on from their KV: blocks were adopted from its
+    segment, and each replay or move computed its last token or so again (the partial last
+    block is adopted too), not its ~300-token context (planaria_replay_recomputed_tokens).
+    How many blocks are adopted depends on what the new engine's own prefix cache already
+    held of the prompts (earlier passes may have put them there): 1 at least."""
+    assert _salvaged_since(stack, salvaged_before) >= 1, stack.logs()
+    m1 = stack.metrics()
+    key = "planaria_replay_recomputed_tokens"
+    count = m1[f"{key}_count"] - m0.get(f"{key}_count", 0)
+    recomputed = m1[f"{key}_sum"] - m0.get(f"{key}_sum", 0)
+    assert count >= 1 and recomputed <= 16 * count, (count, recomputed)
+
+
+def _busiest(stack: ServeStack) -> int | None:
+    """The engine with most of the streams running, from heartbeats sent after this call
+    (the last one may still count the previous pass's requests, which the prefix-aware
+    routing may have placed elsewhere; an engine whose step_counter moved since is stepping,
+    so its count is current). One with half the streams or more is taken at once; else the
+    busiest once every engine's count is fresh, or after 0.3 s (an idle engine never steps);
+    None when none has a request running then (the streams are done)."""
     seen = {e["engine_id"]: e.get("step_counter") or 0 for e in stack.status()["engines"]}
     running: dict = {}
-    for _ in range(3000):
+    deadline = time.monotonic() + 0.3
+    while time.monotonic() < deadline + 15:
         engines = stack.status()["engines"]
-        running = {e["engine_id"]: e.get("num_running") or 0 for e in engines
-                   if (e.get("step_counter") or 0) > seen.get(e["engine_id"], 0)}
-        if sum(running.values()):
-            return max(running, key=running.get)
+        running.update({e["engine_id"]: e.get("num_running") or 0 for e in engines
+                        if (e.get("step_counter") or 0) > seen.get(e["engine_id"], 0)})
+        busiest = max(running, key=running.get) if running else None
+        if busiest is not None and 2 * running[busiest] >= NUM_STREAMS:
+            return busiest
+        if busiest is not None and (len(running) == len(engines) or time.monotonic() > deadline):
+            return busiest if running[busiest] else None
         time.sleep(0.005)
-    raise AssertionError(f"no fresh heartbeat reports requests running: {running}")
+    return None
 
 
 @pytest.fixture(scope="module", params=["replica", "ep"])
@@ -116,43 +154,33 @@ def _segment_dir(stack: ServeStack) -> Path:
 
 def test_a_killed_engines_streams_continue_from_its_kv(stack):
     bodies = _bodies()
-    first = _pass(stack, bodies)
+    first, _ = _pass(stack, bodies)
     assert all(r["error"] is None and r["status"] == 200 for r in first), first
     seg_dir = _segment_dir(stack)
     assert len([p for p in seg_dir.iterdir() if re.match(r"engine\d+-\d+\.kv$", p.name)]) == 2
     before = _salvaged_blocks(stack)
     m0 = stack.metrics()
 
-    def kill():
-        stack.fault(_busiest(stack), "kill")
-
-    second = _pass(stack, bodies, kill)
+    second = _faulted_pass(stack, bodies, lambda engine: stack.fault(engine, "kill"))
     _assert_same_texts(first, second)
-    # each replay adopted the ~300-token context's committed blocks (tiny-moe: 16 per block)
-    assert _salvaged_since(stack, before) >= 10, stack.logs()
-    # each replay computed its last token or so, not its ~300-token context (the partial
-    # last block is adopted too): planaria_replay_recomputed_tokens
-    m1 = stack.metrics()
-    replays = m1["planaria_replay_recomputed_tokens_count"] - m0.get("planaria_replay_recomputed_tokens_count", 0)
-    recomputed = m1["planaria_replay_recomputed_tokens_sum"] - m0.get("planaria_replay_recomputed_tokens_sum", 0)
-    assert replays >= 1 and recomputed <= 16 * replays, (replays, recomputed)
+    _assert_kv_kept(stack, before, m0)
     stack.wait_ready(90)
 
 
 def test_a_drained_engine_hands_its_streams_over_with_their_kv(stack):
     bodies = _bodies()
     stack.wait_ready(90)
-    first = _pass(stack, bodies)
+    first, _ = _pass(stack, bodies)
     before = _salvaged_blocks(stack)
-    moves_before = stack.metrics().get("planaria_request_moves_total", 0.0)
-    replays_before = stack.metrics().get("planaria_request_replays_total", 0.0)
+    m0 = stack.metrics()
+    moves_before = m0.get("planaria_request_moves_total", 0.0)
+    replays_before = m0.get("planaria_request_replays_total", 0.0)
 
-    def drain():
-        engine = _busiest(stack)
+    def drain(engine):
         pid = next(e["pid"] for e in stack.status()["engines"] if e["engine_id"] == engine)
         os.kill(pid, signal.SIGUSR2)  # what the supervisor sends for a drain with survivors
 
-    second = _pass(stack, bodies, drain)
+    second = _faulted_pass(stack, bodies, drain)
     _assert_same_texts(first, second)
     m = stack.metrics()
     moved = m.get("planaria_request_moves_total", 0.0) - moves_before
@@ -161,7 +189,7 @@ def test_a_drained_engine_hands_its_streams_over_with_their_kv(stack):
         # re-formed without it first, are replayed with its KV (salvage) all the same
         moved += m.get("planaria_request_replays_total", 0.0) - replays_before
     assert moved > 0, stack.logs()
-    assert _salvaged_since(stack, before) >= 10, stack.logs()
+    _assert_kv_kept(stack, before, m0)
     stack.wait_ready(90)
 
 
@@ -171,10 +199,9 @@ def test_the_survivor_killed_mid_handover_loses_nothing(stack):
     again), and every text is still the fault-free pass's."""
     bodies = _bodies()
     stack.wait_ready(90)
-    first = _pass(stack, bodies)
+    first, _ = _pass(stack, bodies)
 
-    def drain_then_kill_the_target():
-        engine = _busiest(stack)
+    def drain_then_kill_the_target(engine):
         engines = {e["engine_id"]: e["pid"] for e in stack.status()["engines"]}
         os.kill(engines[engine], signal.SIGUSR2)
         time.sleep(0.02)  # the survivors are copying (prefetch_kv) now, or about to
@@ -182,7 +209,7 @@ def test_the_survivor_killed_mid_handover_loses_nothing(stack):
             if other != engine:
                 os.kill(pid, signal.SIGKILL)
 
-    second = _pass(stack, bodies, drain_then_kill_the_target)
+    second = _faulted_pass(stack, bodies, drain_then_kill_the_target)
     _assert_same_texts(first, second)
     stack.wait_ready(90)
 
@@ -193,19 +220,19 @@ def test_the_draining_engine_killed_mid_handover_loses_nothing(stack):
     from the segment it left, and every text is the fault-free pass's."""
     bodies = _bodies()
     stack.wait_ready(90)
-    first = _pass(stack, bodies)
+    first, _ = _pass(stack, bodies)
     before = _salvaged_blocks(stack)
+    m0 = stack.metrics()
 
-    def drain_then_kill_it():
-        engine = _busiest(stack)
+    def drain_then_kill_it(engine):
         pid = next(e["pid"] for e in stack.status()["engines"] if e["engine_id"] == engine)
         os.kill(pid, signal.SIGUSR2)
         time.sleep(0.02)  # the survivors are copying (prefetch_kv) now, or about to
         os.kill(pid, signal.SIGKILL)
 
-    second = _pass(stack, bodies, drain_then_kill_it)
+    second = _faulted_pass(stack, bodies, drain_then_kill_it)
     _assert_same_texts(first, second)
-    assert _salvaged_since(stack, before) >= 10, stack.logs()
+    _assert_kv_kept(stack, before, m0)
     stack.wait_ready(90)
 
 
@@ -218,26 +245,27 @@ def test_a_rolling_weight_update_hands_the_streams_over_to_the_old_weights(stack
 
     bodies = _bodies()
     stack.wait_ready(90)
-    first = _pass(stack, bodies)
+    first, _ = _pass(stack, bodies)
     moves_before = stack.metrics().get("planaria_request_moves_total", 0.0)
     loaded = []
 
-    def load():
-        engine = _busiest(stack)
+    def load(engine):
         started = ControlClient(stack.runtime, timeout_s=30).call(
             "load-weights", action="load", model_dir=str(Path(tiny_moe).resolve()), policy="hand_over",
             engine_id=engine, version="rollout-2")
         loaded.append((engine, started))
 
-    second = _pass(stack, bodies, load)
+    second = _faulted_pass(stack, bodies, load)
     _assert_same_texts(first, second)
     [(engine, started)] = loaded
     assert list(started["engines"]) == [str(engine)], started
-    if "ep" not in stack.serve_args:  # EP: 1 run in 2 under a CPU hog moved none (undiagnosed;
-        # the streams then finished on the old weights, as finish_old): the move is asserted in replica mode
-        assert stack.metrics().get("planaria_request_moves_total", 0.0) > moves_before, stack.logs()
-    with urllib.request.urlopen(f"{stack.base}/v1/models", timeout=10) as r:
-        versions = json.loads(r.read())["data"][0]["weight_versions"]
+    assert stack.metrics().get("planaria_request_moves_total", 0.0) > moves_before, stack.logs()
+    versions: dict = {}
+    deadline = time.monotonic() + 30
+    while len(versions) < 2 and time.monotonic() < deadline:  # each engine's, once it answers in time
+        with urllib.request.urlopen(f"{stack.base}/v1/models", timeout=10) as r:
+            versions = json.loads(r.read())["data"][0]["weight_versions"]
+    assert len(versions) == 2, (versions, stack.logs())
     assert versions[str(engine)] == "rollout-2" and versions[str(1 - engine)] != "rollout-2", versions
 
 
