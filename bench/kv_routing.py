@@ -240,6 +240,8 @@ def one_run(root: Path, model: Path, w: Workload, engines: int, routing: str, en
         unique = asyncio.run(run_unique(stack.base, name, w, unique_words))
         out = summarize(res, prefilled, ideal, engines, routing, unique, routing_decisions(stack))
         out["routing_status"] = stack.status().get("routing")
+        out["peer_kv_blocks"] = int(sum(v for k, v in stack.metrics().items()
+                                        if k.startswith("planaria_engine_peer_kv_blocks{")))
         return out
     finally:
         stack.close()

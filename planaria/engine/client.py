@@ -376,7 +376,7 @@ class EngineClient:
                 route = self._route(request, tried, route.hashes if tried else None)
                 index = route.index
             tried.add(index)
-            if self._send(index, MsgType.ADD, request):
+            if self._send(index, MsgType.ADD, self._with_peer(request, route)):
                 stream = self._streams[rid] = _Stream(index, group, len(request.prompt_token_ids), request)
                 info = self._engines[index]
                 info.num_in_flight += 1
@@ -387,6 +387,15 @@ class EngineClient:
                         entry = self._groups[group] = [index, 0]
                     entry[1] += 1
                 return stream
+
+    def _with_peer(self, request: EngineCoreRequest, route: Route) -> EngineCoreRequest:
+        """A request routed away from the engine holding more of its prompt (BALANCE) names
+        that engine's KV segment: on the same node the receiving engine copies those blocks
+        instead of computing them (core._copy_from_peer). Not a replay's (it names its own)."""
+        peer = self._engines.get(route.peer) if route.peer is not None else None
+        if peer is None or not peer.healthy or not peer.kv_segment or request.kv_salvage:
+            return request
+        return msgspec.structs.replace(request, kv_peer=peer.kv_segment)
 
     def _group_engine(self, group: str | None, exclude: set[int]) -> int | None:
         entry = self._groups.get(group) if group is not None else None

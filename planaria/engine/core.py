@@ -57,6 +57,8 @@ class SalvageStats:
     num_requests: int = 0  # replays that asked
     num_refused: int = 0  # segment unusable: recomputed
     num_blocks: int = 0  # blocks adopted (prefetched ones included)
+    num_peer_requests: int = 0  # new requests that named a live peer's segment (kv_peer)
+    num_peer_blocks: int = 0  # blocks copied from such peers
 
 
 class EngineCore:
@@ -167,7 +169,35 @@ class EngineCore:
             return
         if ecr.kv_salvage:
             self._salvage(req, ecr.kv_salvage)
+        elif ecr.kv_peer:
+            self._copy_from_peer(req, ecr.kv_peer)
         self.scheduler.add_request(req)
+
+    def _copy_from_peer(self, req: Request, name: str) -> None:
+        """A new request whose prompt a live engine of this node holds more of (the router's
+        ``kv_peer``): copy the committed blocks of its prefix this engine lacks from that
+        engine's segment into this one's prefix cache, where the request's allocation finds
+        them (a node-wide prefix cache). The peer keeps running: a block it reuses during
+        the copy fails its seqlock check and is computed here instead."""
+        if req.wants_prompt_logprobs:
+            return
+        from planaria.engine.block_pool import hash_request_blocks
+
+        t0 = time.perf_counter()
+        hashes = hash_request_blocks(req.all_token_ids, self.kv.block_size, req.block_hashes, req.cache_salt)
+        self.salvage.num_peer_requests += 1
+        try:
+            adopted = self._adopt(hashes[:(req.num_tokens - 1) // self.kv.block_size], name)
+        except SalvageRefused as exc:  # another node's engine, gone, other weights: computed
+            log.debug("peer KV not used", request_id=req.request_id, segment=name, reason=str(exc))
+            return
+        except Exception as exc:  # noqa: BLE001 - a copy never costs more than the prefill
+            log.warning("peer KV copy failed; the prompt is computed", request_id=req.request_id, error=repr(exc))
+            return
+        self.salvage.num_peer_blocks += adopted
+        if adopted:
+            log.debug("copied peer KV blocks", request_id=req.request_id, segment=name, blocks=adopted,
+                      ms=round(1000 * (time.perf_counter() - t0), 2))
 
     def _salvage(self, req: Request, name: str) -> None:
         """A replay of a request whose engine died or handed it over: adopt the blocks of
@@ -583,7 +613,9 @@ class EngineCore:
                               num_prefill_tokens=self.scheduler.num_prefill_tokens,
                               num_salvaged_requests=self.salvage.num_requests - self.salvage.num_refused,
                               num_salvage_refused=self.salvage.num_refused,
-                              num_salvaged_blocks=self.salvage.num_blocks)
+                              num_salvaged_blocks=self.salvage.num_blocks,
+                              num_peer_requests=self.salvage.num_peer_requests,
+                              num_peer_blocks=self.salvage.num_peer_blocks)
 
     def config_hash(self) -> str:
         return self.config.hash() + self.model_fingerprint[:8]

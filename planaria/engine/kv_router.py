@@ -97,6 +97,8 @@ class Route:
     num_matched_blocks: int = 0
     # the prompt's block hashes, when computed for this decision (kept for a retry)
     hashes: list[int] | None = field(default=None, compare=False, repr=False)
+    # BALANCE: an engine holding the longest prefix (the chosen one may copy it from there)
+    peer: int | None = None
 
 
 def decide(policy: RoutingPolicy, candidates: Sequence[Candidate], num_prompt_tokens: int, block_size: int,
@@ -130,8 +132,11 @@ def decide(policy: RoutingPolicy, candidates: Sequence[Candidate], num_prompt_to
         return (uncached + weights.load_tokens * c.load, c.load, rotation(positions[c.index]))
 
     chosen = min(eligible, key=cost)
-    reason = RouteReason.PREFIX if chosen.num_matched_blocks == best_match else RouteReason.BALANCE
-    return Route(chosen.index, reason, chosen.num_matched_blocks)
+    if chosen.num_matched_blocks == best_match:
+        return Route(chosen.index, RouteReason.PREFIX, chosen.num_matched_blocks)
+    holder = min((c for c in candidates if c.num_matched_blocks == best_match),
+                 key=lambda c: (c.load, rotation(positions[c.index])))
+    return Route(chosen.index, RouteReason.BALANCE, chosen.num_matched_blocks, peer=holder.index)
 
 
 class RoutedEngine(Protocol):
@@ -179,7 +184,7 @@ class Router:
         shared = best > 0 and self._sharers(hashes[best - 1]) >= SHARED_MIN
         route = decide(self.policy, candidates, len(request.prompt_token_ids), block_size, next(self._turn),
                        self.weights, shared)
-        return Route(route.index, route.reason, route.num_matched_blocks, hashes)
+        return Route(route.index, route.reason, route.num_matched_blocks, hashes, route.peer)
 
     def count(self, route: Route) -> None:
         """``route`` was taken: counted by reason, and its matched prefix remembered."""

@@ -44,6 +44,13 @@ class EngineCoreRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
     # over: the name of that engine's KV segment (engine/kv_segment.py), whose committed
     # blocks of this request's prefix the receiving engine adopts instead of computing them.
     kv_salvage: str | None = None
+    # A live engine of this node whose prefix cache holds more of this prompt than the
+    # receiving engine's (the router sent it elsewhere for balance): the name of its KV
+    # segment, whose committed blocks of the prompt the receiving engine copies instead of
+    # computing them (a node-wide prefix cache; docs/routing.md). A hint: a block is copied
+    # only under the hash of exactly these tokens (salt included) and only if it stayed
+    # valid during the copy; anything else is computed.
+    kv_peer: str | None = None
 
 
 MAX_CACHE_SALT_CHARS = 256
@@ -131,6 +138,9 @@ class SchedulerStats(msgspec.Struct, kw_only=True):
     num_salvaged_requests: int = 0
     num_salvage_refused: int = 0
     num_salvaged_blocks: int = 0
+    # requests that named a live peer's segment (kv_peer) and the blocks copied from it
+    num_peer_requests: int = 0
+    num_peer_blocks: int = 0
 
 
 class EngineCoreOutputs(msgspec.Struct, kw_only=True, omit_defaults=True):

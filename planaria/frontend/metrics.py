@@ -55,6 +55,9 @@ _ENGINE_GAUGES: tuple[tuple[str, str, Callable[[object], float]], ...] = (
      lambda e: getattr(e.stats, "num_salvaged_requests", 0) if e.stats else 0),
     ("planaria_engine_salvaged_blocks", "KV blocks adopted from a dead or drained engine's segment instead of "
      "computed, since the engine started.", lambda e: getattr(e.stats, "num_salvaged_blocks", 0) if e.stats else 0),
+    ("planaria_engine_peer_kv_blocks", "KV blocks a request routed away from the engine holding more of its "
+     "prompt copied from that live engine's segment (a node-wide prefix cache) instead of computing them, "
+     "since the engine started.", lambda e: getattr(e.stats, "num_peer_blocks", 0) if e.stats else 0),
     ("planaria_engine_salvage_refused", "Replays whose named KV segment could not be used (gone, other "
      "weights, inconsistent): computed as plain replays.",
      lambda e: getattr(e.stats, "num_salvage_refused", 0) if e.stats else 0),

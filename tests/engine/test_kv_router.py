@@ -43,6 +43,15 @@ def test_decide(policy, candidates, prompt_tokens, want, reason):
     assert (route.index, route.reason) == (want, reason)
 
 
+def test_a_balanced_request_names_the_engine_holding_its_prefix():
+    """BALANCE: the chosen engine may copy the prefix from the least loaded holder (peer);
+    PREFIX and NO_PREFIX name none."""
+    route = decide(KV, [c(0, 12, 60), c(1, 9, 60), c(2, 3, 0)], 1000, BS)
+    assert (route.index, route.reason, route.peer) == (2, RouteReason.BALANCE, 1)
+    assert decide(KV, [c(0, 5, 60), c(1, 2, 0)], 1000, BS).peer is None
+    assert decide(KV, [c(0, 3), c(1, 1)], 700, BS).peer is None
+
+
 def test_ties_are_taken_in_turn():
     cands = [c(0), c(1), c(2)]
     assert [decide(KV, cands, 64, BS, turn).index for turn in range(6)] == [0, 1, 2, 0, 1, 2]

@@ -448,3 +448,34 @@ def test_import_kv_checks_every_byte_before_use(tiny_moe, seg_dir, monkeypatch, 
         assert kv_transfer.export_kv(a, tokens, cache_salt="tenant-b")["hashes"] == []
     finally:
         shutil.rmtree(other, ignore_errors=True)
+
+
+def test_a_request_routed_away_copies_a_live_peers_prefix(tiny_moe, seg_dir, reference, monkeypatch):
+    """The node-wide prefix cache: engine a holds a prompt's blocks (it ran it and keeps
+    serving); a request with that prompt sent to engine b naming a's segment (kv_peer, the
+    router's BALANCE) copies those blocks instead of computing them, and its tokens are the
+    uninterrupted run's. A peer that is not on this node (no such file) or a request that
+    wants prompt logprobs copies nothing and is computed as usual."""
+    a = _core(tiny_moe, 1, monkeypatch)
+    a.add_request(_req("warm", PROMPT, 4))
+    _run(a, "warm")
+    a.add_request(_req("busy", PROMPT[:20], 200))  # a keeps running while b copies
+    _run(a, "busy", limit=2)
+    b = _core(tiny_moe, 2, monkeypatch)
+    bs = b.kv.block_size
+    prefill_before = b.scheduler.num_prefill_tokens
+    b.add_request(_req("r", PROMPT, TOTAL, kv_peer=a.runner.kv_segment.name))
+    out = _run(b, "r")
+    assert b.salvage.num_peer_blocks == (len(PROMPT) - 1) // bs and b.salvage.num_peer_requests == 1
+    assert b.scheduler.num_prefill_tokens - prefill_before == len(PROMPT) - (len(PROMPT) - 1) // bs * bs
+    assert b.salvage.num_requests == 0  # not counted as a salvage
+    if _exact(b):
+        assert out == reference
+    c = _core(tiny_moe, 3, monkeypatch)
+    c.add_request(_req("r", PROMPT, 4, kv_peer="engine9-99999.kv"))
+    _run(c, "r")
+    c.add_request(EngineCoreRequest(request_id="p", prompt_token_ids=PROMPT[:40] + [7] * 10,
+                                    sampling_params=SamplingParams(max_tokens=2, prompt_logprobs=1),
+                                    kv_peer=a.runner.kv_segment.name))
+    _run(c, "p")
+    assert c.salvage.num_peer_blocks == 0 and c.salvage.num_peer_requests == 1

@@ -10,6 +10,7 @@ scaled away is forgotten; nothing is ever routed to an engine known to be down."
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import re
@@ -94,6 +95,22 @@ def test_kv_routing_through_the_daemon(tiny_moe, tmp_path):
         assert re.search(r'^planaria_routing_decisions_total\{reason="prefix"\} 3$', metrics, re.M), metrics
         assert re.search(rf'^planaria_engine_cached_blocks\{{engine="{holder}"\}} [1-9]', metrics, re.M)
 
+        # a prefix other requests just matched (shared) on a holder past the imbalance bound:
+        # the requests routed away for balance copy its blocks from the holder's segment
+        # (kv_peer: a node-wide prefix cache) instead of computing them, with the same text
+        hot = [HISTORY + [600 + i] * 4 for i in range(8)]
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            together = list(pool.map(lambda p: _complete(d, p, max_tokens=8), hot))
+        routing = _routing(d, lambda r: sum(r["decisions"].values()) == 13)
+        assert routing["decisions"]["balance"] >= 1, routing
+        _, metrics = d.http("/metrics")
+        copied = re.search(rf'^planaria_engine_peer_kv_blocks\{{engine="{other}"\}} (\d+)', metrics, re.M)
+        assert copied and int(copied.group(1)) >= len(HISTORY) // 16, metrics
+        alone = [_complete(d, p, max_tokens=8) for p in hot]
+        assert [r["choices"][0]["text"] for r in together] == [r["choices"][0]["text"] for r in alone]
+        decided = sum(_routing(d, lambda r: sum(r["decisions"].values()) == 21)["decisions"].values())
+        prefix_before = d.status()["routing"]["decisions"]["prefix"]
+
         # SIGKILL the holder: the supervisor reports it, it restarts with an empty index
         victim = next(e["pid"] for e in d.status()["engines"] if str(e["engine_id"]) == holder)
         os.kill(victim, signal.SIGKILL)
@@ -103,8 +120,13 @@ def test_kv_routing_through_the_daemon(tiny_moe, tmp_path):
                "the second frontend to see the new engine")
         _routing(d, lambda r: r["engines"][holder]["num_cached_blocks"] == 0, "the new engine's empty index")
         assert second.engines[int(holder)].num_cached_blocks == 0
-        _complete(d, prompt + [9] * 20)  # the history is nowhere now: routed on load
-        assert _routing(d, lambda r: sum(r["decisions"].values()) == 6)["decisions"]["prefix"] == 3
+        # the holder's blocks went with it: only the other engine holds the conversation's
+        # start now (the hot requests copied it there), so it takes the next turn
+        routed_before = d.status()["routing"]["engines"][other]["num_routed"]
+        _complete(d, prompt + [9] * 20)
+        routing = _routing(d, lambda r: sum(r["decisions"].values()) == decided + 1)
+        assert routing["decisions"]["prefix"] == prefix_before + 1, routing
+        assert routing["engines"][other]["num_routed"] == routed_before + 1, routing
 
         # scale away engine 1 (the highest): its index goes with its drain
         _complete(d, HISTORY + [7] * 30)
@@ -114,7 +136,7 @@ def test_kv_routing_through_the_daemon(tiny_moe, tmp_path):
                  "engine 1's index dropped")
         for _ in range(3):
             _complete(d, HISTORY + [8] * 30)
-        routing = _routing(d, lambda r: sum(r["decisions"].values()) == 10)
+        routing = _routing(d, lambda r: sum(r["decisions"].values()) == decided + 5)
         assert all(e["num_routed_while_down"] == 0 for e in routing["engines"].values()), routing
         assert other in routing["engines"]
     finally:
