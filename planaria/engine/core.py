@@ -179,15 +179,12 @@ class EngineCore:
         engine's segment into this one's prefix cache, where the request's allocation finds
         them (a node-wide prefix cache). The peer keeps running: a block it reuses during
         the copy fails its seqlock check and is computed here instead."""
-        if req.wants_prompt_logprobs:
+        if req.wants_prompt_logprobs:  # takes no cached block: not counted as asking
             return
-        from planaria.engine.block_pool import hash_request_blocks
-
         t0 = time.perf_counter()
-        hashes = hash_request_blocks(req.all_token_ids, self.kv.block_size, req.block_hashes, req.cache_salt)
         self.salvage.num_peer_requests += 1
         try:
-            adopted = self._adopt(hashes[:(req.num_tokens - 1) // self.kv.block_size], name)
+            adopted = self._adopt_blocks(req, name, tail=False)
         except SalvageRefused as exc:  # another node's engine, gone, other weights: computed
             log.debug("peer KV not used", request_id=req.request_id, segment=name, reason=str(exc))
             return
@@ -220,14 +217,16 @@ class EngineCore:
         log.info("salvaged KV blocks", request_id=req.request_id, segment=name, blocks=adopted,
                  ms=round(1000 * (time.perf_counter() - t0), 2))
 
-    def _adopt_blocks(self, req: Request, name: str) -> int:
+    def _adopt_blocks(self, req: Request, name: str, tail: bool = True) -> int:
+        """Adopt from segment ``name`` the full blocks of ``req``'s tokens but the last (and,
+        with ``tail``, the partly written block after them: a replay's)."""
         from planaria.engine.block_pool import hash_request_blocks
 
         if req.wants_prompt_logprobs:
             raise SalvageRefused("the request wants prompt logprobs: every position runs through the model")
         hashes = hash_request_blocks(req.all_token_ids, self.kv.block_size, req.block_hashes, req.cache_salt)
         # as get_computed_blocks: one token is left to compute
-        return self._adopt(hashes[:(req.num_tokens - 1) // self.kv.block_size], name, req)
+        return self._adopt(hashes[:(req.num_tokens - 1) // self.kv.block_size], name, req if tail else None)
 
     def _adopt(self, wanted: list[int], name: str, req: Request | None = None) -> int:
         """Adopt the leading run of the chain ``wanted`` (block hashes) that is not cached
