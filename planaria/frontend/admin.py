@@ -11,7 +11,7 @@ The envelope, error codes and the blocking client (``FrontendAdminClient``, the
 supervisor's side) are the admin protocol's, in planaria/common/. Commands, with their wire
 forms::
 
-    {"command": "load_weights", "args": {"model_dir": "/abs/dir", "mode": "finish_old",
+    {"command": "load_weights", "args": {"model_dir": "/abs/dir", "mode": "hand_over",
                                          "engine_id": null, "version": null}}
         -> {"engines": {"0": {"load_id": "w1-...", "state": "reading", ...}, ...},
             "errors": {"1": "why engine 1 refused"}, "skipped": {"2": "dead"}}
@@ -81,7 +81,7 @@ class EngineAdmin:
         return await asyncio.gather(*[self.client.call_utility(i, method, args, timeout_s=self.utility_timeout_s)
                                       for i in indices], return_exceptions=True)
 
-    async def load_weights(self, model_dir: Any, mode: Any = "finish_old", engine_id: Any = None,
+    async def load_weights(self, model_dir: Any, mode: Any = "hand_over", engine_id: Any = None,
                            version: Any = None) -> dict:
         if not isinstance(model_dir, str) or not os.path.isabs(model_dir):
             raise BadArgumentError(f"model_dir must be an absolute directory path, got {model_dir!r}")

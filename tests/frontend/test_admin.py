@@ -91,8 +91,8 @@ def test_errors_become_codes_and_engines_are_targeted():
                                         "1": {"state": "running", "version": "v1", "model_dir": "/m", "load": None},
                                         "2": {"state": "dead"}}
     loads = [(i, a) for i, m, a in client.calls if m == "load_weights"]
-    assert loads[-2:] == [(0, {"model_dir": "/new", "version": None, "mode": "finish_old"}),
-                          (1, {"model_dir": "/new", "version": None, "mode": "finish_old"})]
+    assert loads[-2:] == [(0, {"model_dir": "/new", "version": None, "mode": "hand_over"}),
+                          (1, {"model_dir": "/new", "version": None, "mode": "hand_over"})]
 
 
 def test_no_frontend_is_unavailable(tmp_path):

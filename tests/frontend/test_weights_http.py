@@ -236,7 +236,7 @@ def test_finish_old_on_one_engine_while_streams_run(daemon, ckpts):
     while not all(streams) and time.monotonic() < deadline:
         time.sleep(0.02)
     load_at = time.monotonic()
-    r = daemon.cli("load-weights", ckpts["b"], "--engine", "0")
+    r = daemon.cli("load-weights", ckpts["b"], "--engine", "0", "--policy", "finish_old")
     for t in threads:
         t.join(60)
     assert r.returncode == 0 and f"engine 0: applied, weight version {v_b}" in r.stdout, (r.stdout, r.stderr)
@@ -248,6 +248,39 @@ def test_finish_old_on_one_engine_while_streams_run(daemon, ckpts):
     assert m["weight_versions"] == {"0": v_b, "1": v_a} and m["weight_version"] is None
     seen = {daemon.complete()["weight_version"] for _ in range(6)}  # both engines take requests
     assert seen == {v_a, v_b}
+
+
+def test_the_default_policy_on_every_engine_finishes_streams_on_their_old_weights(daemon, ckpts):
+    """No --policy (hand_over) on every engine at once, while a stream runs on each: no
+    engine is left on its old weights with no load of its own to take them, so each stream
+    finishes where it runs, on its engine's old version, as with finish_old; then every
+    engine serves the new one. (The version name is new, so an engine that swapped first
+    is not on the other's old version.)"""
+    before = set(daemon.models()["weight_versions"].values())
+    streams: list[list[dict]] = [[], []]
+    ended_at: list[float] = []
+    body = {"prompt": PROMPT, "max_tokens": 150, "ignore_eos": True}
+
+    def stream(i: int) -> None:
+        daemon.stream("/v1/completions", body, streams[i])
+        ended_at.append(time.monotonic())
+
+    threads = [threading.Thread(target=stream, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 30
+    while not all(streams) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    load_at = time.monotonic()
+    r = daemon.cli("load-weights", ckpts["a"], "--version", "a-2")
+    for t in threads:
+        t.join(60)
+    assert r.returncode == 0 and r.stdout.count("applied, weight version a-2") == 2, (r.stdout, r.stderr)
+    assert min(ended_at) > load_at
+    for chunks in streams:
+        versions = {c["weight_version"] for c in chunks}
+        assert len(versions) == 1 and versions <= before, (versions, before)  # not moved, old weights
+    assert daemon.models()["weight_versions"] == {"0": "a-2", "1": "a-2"}
 
 
 def test_continue_new_on_every_engine_changes_version_and_text(daemon, ckpts):

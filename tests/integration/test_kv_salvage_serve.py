@@ -237,7 +237,7 @@ def test_the_draining_engine_killed_mid_handover_loses_nothing(stack):
 
 
 def test_a_rolling_weight_update_hands_the_streams_over_to_the_old_weights(stack, tiny_moe):
-    """`planaria load-weights DIR --engine E --policy hand_over` while E streams: once E has
+    """`planaria load-weights DIR --engine E` (the default policy, hand_over) while E streams: once E has
     read the weights, its streams move with their KV to the other engine, still on the old
     weight version (the same checkpoint under a new version name here, so the texts can be
     compared with the fault-free pass), and E swaps without waiting for them."""
@@ -251,7 +251,7 @@ def test_a_rolling_weight_update_hands_the_streams_over_to_the_old_weights(stack
 
     def load(engine):
         started = ControlClient(stack.runtime, timeout_s=30).call(
-            "load-weights", action="load", model_dir=str(Path(tiny_moe).resolve()), policy="hand_over",
+            "load-weights", action="load", model_dir=str(Path(tiny_moe).resolve()),
             engine_id=engine, version="rollout-2")
         loaded.append((engine, started))
 

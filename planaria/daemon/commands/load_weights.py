@@ -1,15 +1,17 @@
 """Load new weights (same architecture, e.g. a new fine-tune) into the running engines.
 
-    planaria load-weights DIR [--policy finish_old|continue_new] [--engine ID] [--version V]
+    planaria load-weights DIR [--policy hand_over|finish_old|continue_new] [--engine ID] [--version V]
                               [--no-wait] [--wait-timeout-s S]
     planaria load-weights --status [--engine ID]
 
 Each engine checks DIR at once (a directory with config.json of the served architecture
 and sizes: anything else is refused, nothing changes), then reads the checkpoint on a
 thread of its own while it goes on serving, and swaps it in at a step boundary:
-``finish_old`` (default) lets the running requests finish on the old weights first (new
-ones wait for the swap); ``continue_new`` swaps at once and recomputes the running
-requests on the new weights. Responses carry ``weight_version`` (the checkpoint's content
+``hand_over`` (default) moves the running requests, with their KV, to engines still on the
+old weights (a rolling update, one --engine at a time), then swaps; a request no such
+engine can take (every engine loading at once, the last of a rolling update) finishes on
+the old weights first, as with ``finish_old`` (new ones wait for the swap);
+``continue_new`` swaps at once and recomputes the running requests on the new weights. Responses carry ``weight_version`` (the checkpoint's content
 hash, or --version). Without --no-wait the command waits until every engine applied the
 weights or failed (a checkpoint whose tensors do not fit fails there, old weights kept).
 An engine that restarts later starts from the serve --model directory again.
@@ -18,7 +20,7 @@ Only the frontend holds the engines' sockets, so the supervisor forwards to the
 frontend's admin socket (frontend/admin.py; the client is common.admin_client's
 ``FrontendAdminClient``), which calls each engine. Wire:
 {"command": "load-weights", "args": {"action": "load", "model_dir": "/abs/dir",
-"policy": "finish_old", "engine_id": null, "version": null}} -> {"engines": {"0":
+"policy": "hand_over", "engine_id": null, "version": null}} -> {"engines": {"0":
 {"load_id", "state": "reading", ...}}, "errors": {...}, "skipped": {...}};
 {"command": "load-weights", "args": {"action": "status", "engine_id": null}} ->
 {"engines": {"0": {"state", "version", "model_dir", "load": {...} | null}}}.
@@ -40,7 +42,8 @@ from planaria.daemon.commands._common import EXIT_BAD_ARGUMENT, add_daemon_argum
 
 NAME = "load-weights"
 HELP = "load new weights into the running engines (rolling weight update)"
-POLICIES = ("finish_old", "hand_over", "continue_new")
+POLICIES = ("hand_over", "finish_old", "continue_new")
+DEFAULT_POLICY = "hand_over"
 FRONTEND_TIMEOUT_S = 5.0  # the supervisor's loop waits at most this for the frontend
 EXIT_TIMEOUT = 6
 POLL_INTERVAL_S = 0.2
@@ -49,10 +52,11 @@ POLL_INTERVAL_S = 0.2
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model_dir", nargs="?", metavar="DIR",
                         help="Hugging Face model directory with the new weights")
-    parser.add_argument("--policy", choices=POLICIES, default="finish_old",
-                        help="finish_old: running requests finish on the old weights first "
-                             "(default); hand_over: they move, with their KV, to engines still on "
-                             "the old weights (--engine E of a rolling update), then the swap; "
+    parser.add_argument("--policy", choices=POLICIES, default=DEFAULT_POLICY,
+                        help="hand_over (default): running requests move, with their KV, to engines "
+                             "still on the old weights (--engine E of a rolling update), then the "
+                             "swap; where no such engine is left they finish here first; "
+                             "finish_old: they always finish on the old weights first; "
                              "continue_new: swap now, running requests recompute")
     parser.add_argument("--engine", type=int, metavar="ID", help="only this engine (default: all running)")
     parser.add_argument("--version", help="the version to report in responses (default: content hash)")
@@ -79,7 +83,7 @@ def execute(supervisor, args: dict[str, Any]) -> dict[str, Any]:
         return frontend.call("weight_status", engine_id=engine_id)
     if action != "load":
         raise BadArgumentError(f"action must be 'load' or 'status', got {action!r}")
-    model_dir, policy = args.get("model_dir"), args.get("policy", "finish_old")
+    model_dir, policy = args.get("model_dir"), args.get("policy", DEFAULT_POLICY)
     if not isinstance(model_dir, str) or not Path(model_dir).is_absolute():
         raise BadArgumentError(f"model_dir must be an absolute path, got {model_dir!r}")
     if not Path(model_dir).is_dir():
