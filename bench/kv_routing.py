@@ -16,7 +16,10 @@ daemon runs:
   every turn by accident). Measured: the prompt tokens
   the engines actually prefilled (the sum of planaria_engine_prefill_tokens over the run),
   against the ideal (each conversation's tokens once, plus one copy of the system prompt per
-  engine: sum over users of (last prompt - system prompt) + engines x system prompt); TTFT
+  engine: sum over users of (last prompt - system prompt) + engines x system prompt), and
+  against the floor no router can go below (each turn's tokens that no earlier turn of its
+  user sent or got back as a reply, plus the system prompt once per engine: replies are
+  cached as they are generated, so the floor is below the ideal); TTFT
   p50/p99 of the first turns and of the later ones; output tokens/s over the run;
 - no shared prefixes: ``--users`` clients, each sending ``--unique-requests`` prompts of
   unique text (about the system prompt's length), TTFT p50/p99: routing must cost nothing
@@ -61,6 +64,7 @@ class Workload:
     max_tokens: int
     unique_requests: int
     think_s: float = 1.0  # mean pause before each turn (exponential, seeded per user)
+    user_words: int = 0  # user_message's words for about user_tokens tokens (user_words_for)
 
 
 @dataclass
@@ -72,6 +76,7 @@ class ChatResult:
     ttft_first_s: list[float] = field(default_factory=list)  # first turns
     ttft_later_s: list[float] = field(default_factory=list)  # turns after the first
     last_prompt_tokens: dict[int, int] = field(default_factory=dict)  # user -> its last turn's prompt
+    new_tokens: int = 0  # prompt tokens no earlier turn of the user sent or got back (its prompt + reply)
     errors: list[str] = field(default_factory=list)
 
 
@@ -91,6 +96,15 @@ def user_message(user: int, turn: int, num_words: int) -> str:
     topic = TOPICS[(user + turn) % len(TOPICS)]
     words = " ".join(f"detail{(user * 31 + turn * 7 + k) % 997}" for k in range(max(0, num_words - 12)))
     return f"Visitor {user}, question {turn}: tell me something about {topic}. Context: {words}."
+
+
+def user_words_for(tokenizer, num_tokens: int) -> int:
+    """How many user_message words make about ``num_tokens`` tokens (a "detailNNN" word is
+    about 4 tokens, the fixed part about 18)."""
+    for words in range(12, 1000):
+        if len(tokenizer.encode(user_message(0, 0, words), add_special_tokens=False)) >= num_tokens:
+            return words
+    return 1000
 
 
 def unique_prompt(rng: random.Random, num_words: int) -> str:
@@ -137,10 +151,11 @@ async def run_chat(base: str, model: str, w: Workload, system: str, res: ChatRes
     async def user(session, u: int) -> None:
         messages = [{"role": "system", "content": system}]
         rng = random.Random(u)  # the same pauses whatever the router
+        seen = None  # the previous turn's prompt + reply tokens
         for t in range(w.turns):
             if w.think_s > 0:  # users read, then type: they do not move in lockstep
                 await asyncio.sleep(rng.uniform(0, w.think_s) if t == 0 else rng.expovariate(1 / w.think_s))
-            messages.append({"role": "user", "content": user_message(u, t, w.user_tokens)})
+            messages.append({"role": "user", "content": user_message(u, t, w.user_words or w.user_tokens)})
             body = {"model": model, "messages": messages, "max_tokens": w.max_tokens, "temperature": 0.0,
                     "stream": True, "stream_options": {"include_usage": True}}
             res.num_requests += 1
@@ -152,7 +167,9 @@ async def run_chat(base: str, model: str, w: Workload, system: str, res: ChatRes
                 return
             (res.ttft_first_s if t == 0 else res.ttft_later_s).append(ttft if ttft is not None else float("nan"))
             res.output_tokens += usage.get("completion_tokens", 0)
-            res.last_prompt_tokens[u] = usage.get("prompt_tokens", 0)
+            res.last_prompt_tokens[u] = prompt = usage.get("prompt_tokens", 0)
+            res.new_tokens += prompt - (seen if seen is not None else 0)
+            seen = prompt + usage.get("completion_tokens", 0)
             messages.append({"role": "assistant", "content": text})
 
     timeout = aiohttp.ClientTimeout(total=3600)
@@ -239,6 +256,10 @@ def one_run(root: Path, model: Path, w: Workload, engines: int, routing: str, en
         ideal = sum(n - system_len for n in res.last_prompt_tokens.values()) + engines * system_len
         unique = asyncio.run(run_unique(stack.base, name, w, unique_words))
         out = summarize(res, prefilled, ideal, engines, routing, unique, routing_decisions(stack))
+        # what no router can avoid: each turn's tokens that no earlier turn of the user sent or
+        # got back as its reply, plus the system prompt once per engine
+        out["floor_tokens"] = floor = res.new_tokens - len(res.last_prompt_tokens) * system_len + engines * system_len
+        out["prefilled_over_floor"] = round(prefilled / floor, 3) if floor > 0 else None
         out["routing_status"] = stack.status().get("routing")
         out["peer_kv_blocks"] = int(sum(v for k, v in stack.metrics().items()
                                         if k.startswith("planaria_engine_peer_kv_blocks{")))
@@ -294,6 +315,7 @@ def fault_run(root: Path, model: Path, w: Workload, engines: int, engine_config:
 def print_table(rows: list[dict]) -> None:
     cols = [("engines", "E"), ("routing", "router"), ("requests", "reqs"), ("failed", "failed"),
             ("prefilled_tokens", "prefilled"), ("ideal_tokens", "ideal"), ("prefilled_over_ideal", "x ideal"),
+            ("floor_tokens", "floor"), ("prefilled_over_floor", "x floor"),
             ("ttft_first_p50_s", "TTFT1 p50"), ("ttft_later_p50_s", "TTFT2+ p50"), ("ttft_later_p99_s", "TTFT2+ p99"),
             ("output_tok_s", "out tok/s"), ("unique_ttft_p50_s", "uniq p50"), ("unique_ttft_p99_s", "uniq p99")]
     table = [[h for _, h in cols]] + [[str(r.get(k, "-")) for k, _ in cols] for r in rows]
@@ -314,7 +336,8 @@ def comparisons(rows: list[dict]) -> list[str]:
         def ratio(a, b):
             return round(a / b, 2) if a and b else float("nan")
 
-        out.append(f"{e} engines: prefilled kv/ideal {kv['prefilled_over_ideal']} (goal <= 1.15), "
+        out.append(f"{e} engines: prefilled kv/ideal {kv['prefilled_over_ideal']} (goal <= 1.15; kv/floor "
+                   f"{kv['prefilled_over_floor']}, least-loaded/floor {ll['prefilled_over_floor']}), "
                    f"least-loaded/kv {ratio(ll['prefilled_tokens'], kv['prefilled_tokens'])} (goal >= 2); "
                    f"TTFT2+ p50 least-loaded/kv {ratio(ll['ttft_later_p50_s'], kv['ttft_later_p50_s'])} (goal >= 1.5); "
                    f"out tok/s kv/least-loaded {ratio(kv['output_tok_s'], ll['output_tok_s'])} (goal >= 1); "
@@ -339,7 +362,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--users", type=int, default=32)
     p.add_argument("--turns", type=int, default=6)
     p.add_argument("--system-tokens", type=int, default=1000)
-    p.add_argument("--user-tokens", type=int, default=40, help="about this many words per user message")
+    p.add_argument("--user-tokens", type=int, default=40, help="about this many tokens per user message")
     p.add_argument("--max-tokens", type=int, default=128, help="reply length bound")
     p.add_argument("--unique-requests", type=int, default=2, help="no-shared-prefix prompts per user")
     p.add_argument("--think-s", type=float, default=1.0,
@@ -362,7 +385,7 @@ def main(argv: list[str] | None = None) -> int:
     model = model_dir(args.model)
     tokenizer = AutoTokenizer.from_pretrained(str(model))
     w = Workload(args.users, args.turns, args.system_tokens, args.user_tokens, args.max_tokens, args.unique_requests,
-                 args.think_s)
+                 args.think_s, user_words_for(tokenizer, args.user_tokens))
     system = system_prompt(tokenizer, args.system_tokens)
     system_text = tokenizer.apply_chat_template([{"role": "system", "content": system}], tokenize=False,
                                                 add_generation_prompt=False)

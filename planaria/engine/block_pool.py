@@ -5,6 +5,13 @@ A block is *cached* when it holds a full block of tokens whose chained hash is k
 a cached block whose ref count drops to zero stays in the cache (and in the free list)
 until it is evicted for reuse, least recently freed first.
 
+A finished request's last block, not full, is kept too (``cache_partial``): free, in the
+LRU order, under the hash of its positions (``hash_partial_block``) and the hash of the
+full block before it. A later request whose cached prefix ends at that full block and
+whose next tokens are those positions takes the block over (``take_partial``: it then
+writes the rest of it, so the block is its own, not shared): a conversation's next turn
+computes from where the reply ended, not from the reply's last full block.
+
 A request's ``cache_salt`` (a tenant's secret, vLLM's field) seeds its hash chain
 (``chain_root``): blocks of one salt never match another salt's, nor unsalted ones.
 
@@ -95,6 +102,9 @@ class BlockPool:
         # Free blocks in LRU order: the first entry is evicted first.
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self._cached: dict[int, int] = {}  # block hash -> block id
+        # cache_partial: parent hash -> {partial hash -> (block id, positions)}, and back
+        self._partials: dict[int, dict[int, tuple[int, int]]] = {}
+        self._partial_of: dict[int, tuple[int, int]] = {}  # block id -> (parent hash, partial hash)
         self.num_cache_hits_blocks = 0
         self.num_cache_queries_blocks = 0
         # take_events: block hash -> cached now (True) or evicted (False), the net change
@@ -154,10 +164,58 @@ class BlockPool:
         self._cached[block_hash] = block_id
         self._note(block_hash, True)
 
+    def cache_partial(self, block_id: int, parent_hash: int, token_ids: Sequence[int]) -> bool:
+        """Keep a free block whose first ``len(token_ids)`` positions (not all) hold the KV
+        of ``token_ids`` after the full block ``parent_hash``, for ``take_partial``."""
+        n = len(token_ids)
+        if not self.enable_caching or self.ref_cnt[block_id] != 0 or n <= 0 or block_id in self._partial_of:
+            return False
+        key = hash_partial_block(parent_hash, token_ids)
+        entries = self._partials.setdefault(parent_hash, {})
+        if key in entries:  # the same positions kept already
+            return False
+        entries[key] = (block_id, n)
+        self._partial_of[block_id] = (parent_hash, key)
+        return True
+
+    def find_partial(self, parent_hash: int, token_ids: Sequence[int], max_positions: int) -> tuple[int, int] | None:
+        """(block id, positions) of a kept partial block after ``parent_hash`` whose
+        positions are the first ones of ``token_ids`` (the longest, at most
+        ``max_positions``), or None. At most one hash per length, whatever is kept."""
+        entries = self._partials.get(parent_hash) if self.enable_caching else None
+        if not entries:
+            return None
+        for n in range(min(max_positions, len(token_ids)), 0, -1):
+            hit = entries.get(hash_partial_block(parent_hash, token_ids[:n]))
+            if hit is not None and hit[1] == n:
+                return hit
+        return None
+
+    def take_partial(self, block_id: int) -> None:
+        """The block found by find_partial, out of the free list: the caller's own now (ref 1)."""
+        self._drop_partial(block_id)
+        del self._free[block_id]
+        self.ref_cnt[block_id] = 1
+
+    @property
+    def num_partial_blocks(self) -> int:
+        return len(self._partial_of)
+
+    def _drop_partial(self, block_id: int) -> None:
+        entry = self._partial_of.pop(block_id, None)
+        if entry is not None:
+            parent, key = entry
+            entries = self._partials[parent]
+            del entries[key]
+            if not entries:
+                del self._partials[parent]
+
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash; only allowed when no block is in use."""
         if len(self._free) != self.num_blocks:
             return False
+        self._partials.clear()
+        self._partial_of.clear()
         self._cached.clear()
         self.block_hash = [None] * self.num_blocks
         self._pending.clear()
@@ -200,6 +258,8 @@ class BlockPool:
             self._snapshot_due = True
 
     def _evict(self, block_id: int) -> None:
+        if self._partial_of:
+            self._drop_partial(block_id)
         h = self.block_hash[block_id]
         if h is not None:
             self.block_hash[block_id] = None

@@ -11,7 +11,10 @@ from __future__ import annotations
 import numpy as np
 
 from planaria.engine.block_pool import BlockPool, CacheEvents, chain_root, hash_partial_block, hash_request_blocks
-from planaria.engine.request import Request
+from planaria.engine.request import Request, RequestStatus
+
+# a request that ended so keeps its last, not-full block for a follow-up (BlockPool.cache_partial)
+_KEEPS_TAIL = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH)
 
 
 class KVCacheManager:
@@ -33,6 +36,7 @@ class KVCacheManager:
         # it holds, full blocks before it), taken by the request's first allocation when its
         # prefix hit is exactly those full blocks, else freed
         self._tails: dict[str, tuple[int, int, int]] = {}
+        self.num_partial_hits = 0  # requests that took a finished request's last block over
 
     @property
     def usage(self) -> float:
@@ -59,10 +63,34 @@ class KVCacheManager:
             hits.append(block_id)
         self.pool.num_cache_queries_blocks += max_blocks
         self.pool.num_cache_hits_blocks += len(hits)
+        start = len(hits) * self.block_size
         tail = self._tails.get(req.request_id)
-        if tail is not None and tail[2] == len(hits):  # a salvaged last block follows them
-            return hits, len(hits) * self.block_size + tail[1]
-        return hits, len(hits) * self.block_size
+        if tail is None and self.pool.num_partial_blocks:  # a finished request's last block follows them?
+            tail = self._take_partial(req, hashes, len(hits))
+        if tail is not None and tail[2] == len(hits):  # a salvaged or kept last block follows them
+            return hits, start + tail[1]
+        return hits, start
+
+    def _take_partial(self, req: Request, hashes: list[int], num_hits: int) -> tuple[int, int, int] | None:
+        """The kept last block of a finished request (BlockPool.cache_partial) whose
+        positions are this request's next tokens after its ``num_hits`` cached blocks: taken
+        for the request's first allocation, as a salvaged tail is (at least one prompt token
+        is still left to compute)."""
+        start = num_hits * self.block_size
+        most = min(self.block_size - 1, req.num_tokens - 1 - start)
+        if most <= 0:
+            return None
+        parent = hashes[num_hits - 1] if num_hits else chain_root(req.cache_salt)
+        found = self.pool.find_partial(parent, req.all_token_ids[start:start + most], most)
+        if found is None:
+            return None
+        block, positions = found
+        self.pool.take_partial(block)
+        if self.record is not None:  # this request writes the rest of it: untrusted until committed
+            self.record.invalidate([block])
+        tail = self._tails[req.request_id] = (block, positions, num_hits)
+        self.num_partial_hits += 1
+        return tail
 
     def can_fit(self, req: Request, num_new_tokens: int, computed_blocks: list[int] = ()) -> bool:
         blocks = self.req_to_blocks.get(req.request_id)
@@ -211,6 +239,7 @@ class KVCacheManager:
 
     def free(self, req: Request) -> None:
         self._drop_tail(req.request_id)
+        kept = self._kept_tail(req) if self.enable_caching and req.status in _KEEPS_TAIL else None
         blocks = self.req_to_blocks.pop(req.request_id, None)
         self._num_cached_blocks.pop(req.request_id, None)
         self._num_committed.pop(req.request_id, None)
@@ -220,6 +249,22 @@ class KVCacheManager:
             self._free_rows.append(row)
         if blocks:
             self.pool.free(reversed(blocks))
+        if kept is not None:
+            self.pool.cache_partial(*kept)
+
+    def _kept_tail(self, req: Request) -> tuple[int, int, list[int]] | None:
+        """(block, parent hash, tokens) of a finished request's last block when it is not
+        full: its positions below num_computed_tokens hold their KV (the forwards that
+        write them run before any later request's)."""
+        blocks = self.req_to_blocks.get(req.request_id)
+        bs = self.block_size
+        computed = min(req.num_computed_tokens, len(req.all_token_ids))
+        n = computed // bs
+        if not blocks or computed % bs == 0 or len(blocks) <= n:
+            return None
+        hashes = hash_request_blocks(req.all_token_ids, bs, req.block_hashes, req.cache_salt)
+        parent = hashes[n - 1] if n else chain_root(req.cache_salt)
+        return blocks[n], parent, req.all_token_ids[n * bs:computed]
 
     def _write_row(self, request_id: str, blocks: list[int], start: int) -> None:
         """blocks[start:] into the request's row (a new row for a new request)."""

@@ -83,6 +83,29 @@ def test_a_prompt_gets_the_same_bits_alone_and_in_any_batch(demo_models, preset)
         assert plain.token_ids == alone[0], f"plain greedy, batch of {n}"
 
 
+def test_a_follow_up_takes_over_the_last_block_its_first_turn_left_with_the_same_bits(demo_models):
+    """A conversation's next turn (prompt + reply + a new message) takes the first turn's
+    last block, not full, over (kv_cache_manager: kept tails): it computes from the first
+    position the first turn did not, and gets the bits of the same prompt on an empty cache."""
+    llm = _engine(demo_models("tiny-moe"))
+    llm.core.reset_prefix_cache()
+    turn1 = _target(2)
+    reply = llm.generate([turn1], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))[0].token_ids
+    follow = turn1 + reply + _target(3)[:25]
+    computed_by_turn1 = TARGET_LEN + 20 - 1  # the last sampled token was never fed
+    assert computed_by_turn1 % 16, "the first turn must end inside a block"
+    kept = llm.generate([follow], _asked(2))[0]
+    assert kept.num_cached_tokens == 0  # prompt logprobs: no hit (every position must run)
+    llm.core.reset_prefix_cache()
+    llm.generate([turn1], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
+    kept = llm.generate([follow], _asked(None))[0]
+    assert kept.num_cached_tokens == computed_by_turn1
+    llm.core.reset_prefix_cache()
+    fresh = llm.generate([follow], _asked(None))[0]
+    assert fresh.num_cached_tokens == 0
+    assert _record(kept) == _record(fresh)
+
+
 def test_prefix_cache_hits_and_decoded_positions_match(demo_models):
     llm = _engine(demo_models("tiny-moe"))
     target = _target(1)
