@@ -215,12 +215,10 @@ def test_bad_directory_and_incompatible_checkpoints_change_nothing(daemon, ckpts
     assert status.returncode == 0 and status.stdout.count("failed") == 2, status.stdout
 
 
-def test_finish_old_on_one_engine_while_streams_run(daemon, ckpts):
-    """Engine 0 only, finish_old, while a stream runs on each engine: both end on the old
-    weights; then engine 0 serves the new version while engine 1 keeps the old one."""
-    from planaria.engine.weight_update import content_version
-
-    v_a, v_b = daemon.models()["weight_version"], content_version(ckpts["b"])
+def _load_while_two_streams_run(daemon, *cli_args: str):
+    """Two streams (least-loaded routing: one per engine), then `planaria load-weights
+    ARGS` once both have chunks. Returns (the CLI's result, each stream's chunks); the load
+    overlapped both streams."""
     streams: list[list[dict]] = [[], []]
     ended_at: list[float] = []
     body = {"prompt": PROMPT, "max_tokens": 150, "ignore_eos": True}
@@ -230,17 +228,27 @@ def test_finish_old_on_one_engine_while_streams_run(daemon, ckpts):
         ended_at.append(time.monotonic())
 
     threads = [threading.Thread(target=stream, args=(i,)) for i in range(2)]
-    for t in threads:  # least-loaded routing: one stream per engine
+    for t in threads:
         t.start()
     deadline = time.monotonic() + 30
     while not all(streams) and time.monotonic() < deadline:
         time.sleep(0.02)
     load_at = time.monotonic()
-    r = daemon.cli("load-weights", ckpts["b"], "--engine", "0", "--policy", "finish_old")
+    r = daemon.cli("load-weights", *cli_args)
     for t in threads:
         t.join(60)
-    assert r.returncode == 0 and f"engine 0: applied, weight version {v_b}" in r.stdout, (r.stdout, r.stderr)
     assert min(ended_at) > load_at  # the load overlapped both streams
+    return r, streams
+
+
+def test_finish_old_on_one_engine_while_streams_run(daemon, ckpts):
+    """Engine 0 only, finish_old, while a stream runs on each engine: both end on the old
+    weights; then engine 0 serves the new version while engine 1 keeps the old one."""
+    from planaria.engine.weight_update import content_version
+
+    v_a, v_b = daemon.models()["weight_version"], content_version(ckpts["b"])
+    r, streams = _load_while_two_streams_run(daemon, ckpts["b"], "--engine", "0", "--policy", "finish_old")
+    assert r.returncode == 0 and f"engine 0: applied, weight version {v_b}" in r.stdout, (r.stdout, r.stderr)
     for chunks in streams:
         assert sum(len(c["choices"][0]["text"]) > 0 for c in chunks if c["choices"]) > 0
         assert {c["weight_version"] for c in chunks} == {v_a}  # all of it on the old weights
@@ -257,26 +265,8 @@ def test_the_default_policy_on_every_engine_finishes_streams_on_their_old_weight
     engine serves the new one. (The version name is new, so an engine that swapped first
     is not on the other's old version.)"""
     before = set(daemon.models()["weight_versions"].values())
-    streams: list[list[dict]] = [[], []]
-    ended_at: list[float] = []
-    body = {"prompt": PROMPT, "max_tokens": 150, "ignore_eos": True}
-
-    def stream(i: int) -> None:
-        daemon.stream("/v1/completions", body, streams[i])
-        ended_at.append(time.monotonic())
-
-    threads = [threading.Thread(target=stream, args=(i,)) for i in range(2)]
-    for t in threads:
-        t.start()
-    deadline = time.monotonic() + 30
-    while not all(streams) and time.monotonic() < deadline:
-        time.sleep(0.02)
-    load_at = time.monotonic()
-    r = daemon.cli("load-weights", ckpts["a"], "--version", "a-2")
-    for t in threads:
-        t.join(60)
+    r, streams = _load_while_two_streams_run(daemon, ckpts["a"], "--version", "a-2")
     assert r.returncode == 0 and r.stdout.count("applied, weight version a-2") == 2, (r.stdout, r.stderr)
-    assert min(ended_at) > load_at
     for chunks in streams:
         versions = {c["weight_version"] for c in chunks}
         assert len(versions) == 1 and versions <= before, (versions, before)  # not moved, old weights

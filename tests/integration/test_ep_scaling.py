@@ -66,6 +66,7 @@ class Loaded:
         return metric(self.d.base_url, REPLAYS)
 
 
+@pytest.mark.slow  # make test-all; the default suite scales under load through the daemon (test_serve_ep.py)
 def test_scale_up_and_down_under_load(deployment, bodies, reference):
     d = deployment
     ep0 = d.epoch()
