@@ -94,6 +94,7 @@ HANDOVER_PREFETCH_S = 3.0  # a survivor's KV copy for a handover, and the engine
 HANDOVER_PIN_S = 30.0  # a moved request goes to the engine that copied its KV if it comes within this
 MAX_HANDOVER_PINS = 4096
 KV_TRANSFER_PART_BYTES = 8 << 20  # K/V per message of a relayed pre-copy (engine/kv_transfer.py)
+KV_TRANSFER_BYTES_PER_S = 256 << 20  # and per second, per client (the network serves the streams too)
 
 
 @dataclass
@@ -206,6 +207,9 @@ class EngineClient:
         # original request id -> (engine that copied its KV for a handover, when)
         self._handover_pins: dict[str, tuple[int, float]] = {}
         self._transfer_lock = asyncio.Lock()  # one relayed KV pre-copy at a time (_transfer_kv)
+        self.kv_transfer_bytes_per_s = KV_TRANSFER_BYTES_PER_S
+        self.kv_transfer_bytes = 0  # K/V relayed so far (_transfer_kv), and the time it took
+        self.kv_transfer_s = 0.0
         self._closed = False
         self.num_bad_messages = 0  # messages the readers could not use (see _router_loop)
         # fn(engine_index, reason), on the loop, when an engine's in-flight work is lost
@@ -760,11 +764,13 @@ class EngineClient:
     async def _transfer_kv(self, source: int, target: int, token_ids: list[int], salt: dict) -> int:
         """A handover's pre-copy to an engine that cannot read the source's segment (another
         node): the committed blocks relayed part by part (engine/kv_transfer.py), at most
-        KV_TRANSFER_PART_BYTES each, one transfer at a time per client, within
-        HANDOVER_PREFETCH_S; the number of blocks the target took."""
+        KV_TRANSFER_PART_BYTES each, one transfer at a time per client, at most
+        ``kv_transfer_bytes_per_s`` (a part waits until the bytes before it are within the
+        rate), within HANDOVER_PREFETCH_S; the number of blocks the target took."""
         deadline = time.monotonic() + HANDOVER_PREFETCH_S
         start = taken = 0
         async with self._transfer_lock:
+            began, sent = time.monotonic(), 0
             while True:
                 left = deadline - time.monotonic()
                 if left <= 0:
@@ -773,16 +779,25 @@ class EngineClient:
                     "token_ids": token_ids, "start_block": start, "max_bytes": KV_TRANSFER_PART_BYTES, **salt},
                     timeout_s=left)
                 hashes = part.get("hashes") if isinstance(part, dict) else None
-                if not hashes or not isinstance(hashes, list):
+                data = part.get("data") if isinstance(part, dict) else None
+                if not hashes or not isinstance(hashes, list) or not isinstance(data, (bytes, bytearray, memoryview)):
                     break
+                due = began + (sent + len(data)) / self.kv_transfer_bytes_per_s  # the rate's bound
+                if due >= deadline:
+                    break
+                if due > time.monotonic():
+                    await asyncio.sleep(due - time.monotonic())
                 got = await self.call_utility(target, "import_kv", {
-                    "token_ids": token_ids, "hashes": hashes, "data": part.get("data"),
+                    "token_ids": token_ids, "hashes": hashes, "data": data,
                     "fingerprint": part.get("fingerprint"), "layout": part.get("layout"), "start_block": start,
                     **salt}, timeout_s=max(0.001, deadline - time.monotonic()))
+                sent += len(data)
                 taken += int(got.get("blocks", 0)) if isinstance(got, dict) else 0
                 start += len(hashes)
                 if start >= int(part.get("num_full_blocks") or 0):
                     break
+            self.kv_transfer_bytes += sent
+            self.kv_transfer_s += time.monotonic() - began
         return taken
 
     def _on_kv_events(self, info: EngineInfo, events: KVCacheEvents) -> None:
