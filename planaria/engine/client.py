@@ -35,8 +35,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-from dataclasses import dataclass, field
-from enum import StrEnum
 from pathlib import Path
 import time
 from typing import Any, AsyncIterator, Callable, Iterable
@@ -49,9 +47,10 @@ from zmq.auth.thread import ThreadAuthenticator
 from planaria.common.sockets import CurveKeySet, bind_private, ipc_addresses, set_curve_server
 from planaria.engine.errors import (EngineDeadError, EngineFaultError, EngineHandshakeError,
                            NoEngineAvailableError, UtilityCallError, WireFormatError)
+from planaria.engine.engine_info import EngineInfo, EngineInfoState
+from planaria.engine.handover import HANDOVER_PIN_S, KV_TRANSFER_BYTES_PER_S, Handover
 from planaria.engine.kv_router import Route, RouteReason, Router, RouteWeights, RoutingPolicy
-from planaria.engine.messages import (REPLAY_ID_SEP, EngineCoreOutput, EngineCoreRequest, KVCacheEvents,
-                                     SchedulerStats)
+from planaria.engine.messages import REPLAY_ID_SEP, EngineCoreOutput, EngineCoreRequest, KVCacheEvents
 from planaria.engine.prefix_index import PrefixIndex
 from planaria.engine.wire import (DEFAULT_MAX_MESSAGE_BYTES, FRONTEND_INPUT_TYPES, KV_SEGMENT_NAME, PROTOCOL_VERSION,
                          AbortRequests, HandshakeInit, HandshakeReject, MsgType, Shutdown,
@@ -61,28 +60,6 @@ from planaria.engine.wire import (DEFAULT_MAX_MESSAGE_BYTES, FRONTEND_INPUT_TYPE
 log = logging.getLogger(__name__)
 
 
-class EngineInfoState(StrEnum):
-    """An engine's state as a frontend's client knows it: the state of its last STATUS
-    (every engine.lifecycle.EngineState value is one), or one of the client's own.
-
-    CONNECTING (HELLO seen) -> RUNNING (READY) | REFUSED (the handshake refused it);
-    RUNNING|PAUSED|DRAINING -> UNREACHABLE (a send found it not connected to this frontend);
-    any -> the state of a STATUS; any -> DEAD (ENGINE_CORE_DEAD, or the supervisor's
-    report); a new incarnation's HELLO -> CONNECTING. A StrEnum: it compares, prints,
-    formats and encodes (JSON, msgpack) as its value, e.g. "running"."""
-
-    CONNECTING = "connecting"
-    STARTING = "starting"
-    RUNNING = "running"
-    PAUSED = "paused"
-    DRAINING = "draining"
-    UNHEALTHY = "unhealthy"
-    STOPPED = "stopped"
-    DEAD = "dead"
-    REFUSED = "refused"
-    UNREACHABLE = "unreachable"
-
-
 MAX_SUSPECTS = 256  # request ids of one death report kept (a flight record holds fewer)
 _REACHABLE = (EngineInfoState.RUNNING, EngineInfoState.PAUSED, EngineInfoState.DRAINING)
 _NO_CALLS = (EngineInfoState.DEAD, EngineInfoState.STOPPED, EngineInfoState.REFUSED, EngineInfoState.CONNECTING)
@@ -90,66 +67,6 @@ _GONE = (EngineInfoState.STOPPED, EngineInfoState.DEAD)
 # an engine in these states keeps no prefix index: it is gone, or takes no new requests
 _NO_INDEX = (EngineInfoState.DEAD, EngineInfoState.STOPPED, EngineInfoState.REFUSED, EngineInfoState.DRAINING)
 DEFAULT_BLOCK_SIZE = 16  # EngineConfig's: until an engine's READY says otherwise
-HANDOVER_PREFETCH_S = 3.0  # a survivor's KV copy for a handover, and the engine's hand_over, at most
-HANDOVER_PIN_S = 30.0  # a moved request goes to the engine that copied its KV if it comes within this
-MAX_HANDOVER_PINS = 4096
-KV_TRANSFER_PART_BYTES = 8 << 20  # K/V per message of a relayed pre-copy (engine/kv_transfer.py)
-KV_TRANSFER_BYTES_PER_S = 256 << 20  # and per second, per client (the network serves the streams too)
-
-
-@dataclass
-class EngineInfo:
-    """What the client knows of one engine."""
-
-    index: int
-    state: EngineInfoState = EngineInfoState.CONNECTING
-    pid: int | None = None
-    stats: SchedulerStats | None = None
-    num_in_flight: int = 0  # this client's requests on it
-    num_kv_blocks: int = 0
-    max_model_len: int = 0
-    config_hash: str = ""
-    kv_cache_bytes: int = 0
-    kv_source: str = ""
-    kv_segment: str = ""  # its current process's KV segment (READY), named by replays of its requests
-    handing_over: bool = False  # its requests were just dropped by a drain: moved, not replayed
-    reason: str = ""
-    num_handshakes: int = 0
-    died_at_s: float = 0.0  # time.time() when this client learnt of its last death
-    # the engine's time.monotonic() at the fatal fault its last ENGINE_CORE_DEAD reported
-    # (comparable with this process's time.monotonic()); 0.0 when not reported
-    fault_monotonic_s: float = 0.0
-    ready_at_s: float = 0.0  # time.time() of its last READY
-    block_size: int = 0  # tokens per KV block (READY; 0: not said)
-    # the blocks this incarnation holds in its prefix cache (engine/prefix_index.py),
-    # replaced whole when a new process of the engine says HELLO
-    prefix: PrefixIndex = field(default_factory=PrefixIndex)
-    # routing, over every incarnation: requests sent here; the prompt tokens of those that
-    # answered, and of those the tokens the engine found in its prefix cache (their first
-    # output's num_cached_tokens); requests sent while this client knew it down (never)
-    num_routed: int = 0
-    num_routed_prompt_tokens: int = 0
-    num_routed_cached_tokens: int = 0
-    num_routed_while_down: int = 0
-
-    @property
-    def num_cached_blocks(self) -> int:
-        return len(self.prefix)
-
-    @property
-    def routed_hit_rate(self) -> float:
-        """Fraction of the prompt tokens of requests routed here that were prefix-cache hits."""
-        n = self.num_routed_prompt_tokens
-        return self.num_routed_cached_tokens / n if n else 0.0
-
-    @property
-    def healthy(self) -> bool:
-        return self.state == EngineInfoState.RUNNING
-
-    @property
-    def load(self) -> int:
-        published = self.stats.num_running + self.stats.num_waiting if self.stats else 0
-        return published + self.num_in_flight
 
 
 class _Stream:
@@ -165,7 +82,7 @@ class _Stream:
         self.output_ids: list[int] = []  # tokens the engine sent for it so far
 
 
-class EngineClient:
+class EngineClient(Handover):
     def __init__(self, num_engines: int, runtime_dir: str | Path | None = None, *,
                  client_index: int = 0, input_address: str | None = None,
                  output_address: str | None = None, engine_config: Any = None,
@@ -685,120 +602,6 @@ class EngineClient:
                 if out.new_token_ids:
                     stream.output_ids += out.new_token_ids
                 stream.queue.put_nowait(out)
-
-    async def _hand_over(self, index: int, pid: int | None) -> None:
-        """Engine ``index`` drains handing its requests over (engine/proc.py): for each of
-        this client's requests there, a survivor (routed as a new request would be) copies
-        the KV committed so far from the engine's segment while the engine keeps decoding;
-        then the engine drops them (utility "hand_over") and the journal moves them, each
-        to the engine that copied its KV, where only what was committed since is copied."""
-        info = self._engines.get(index)
-        segment = info.kv_segment if info is not None else ""
-        streams = [(rid, st) for rid, st in self._streams.items() if st.engine_index == index]
-        # a drain hands over to any survivor; a "hand_over" weight load (the engine stays,
-        # RUNNING) only to engines on its old weights with no load of their own in progress
-        weights = info is not None and info.state == EngineInfoState.RUNNING
-        exclude = {index}
-        if streams and weights:
-            exclude |= await self._other_weights(index)
-            if len(exclude) >= len(self._engines):
-                log.info("engine %d: no engine serves its old weights: its requests finish there", index)
-                return
-
-        async def prefetch(rid: str, st: _Stream) -> None:
-            req = st.request
-            if req is None:
-                return
-            target = self._route(req, exclude, None).index
-            if segment and req.sampling_params.prompt_logprobs is None:
-                token_ids = list(req.prompt_token_ids) + st.output_ids
-                salt = {"cache_salt": req.cache_salt} if req.cache_salt else {}
-                try:
-                    got = await self.call_utility(target, "prefetch_kv", {
-                        "segment": segment, "token_ids": token_ids, **salt}, timeout_s=HANDOVER_PREFETCH_S)
-                    if isinstance(got, dict) and got.get("seen") is False:  # another node: relay the blocks
-                        await self._transfer_kv(index, target, token_ids, salt)
-                except Exception as exc:  # noqa: BLE001 - the move copies everything itself then
-                    log.info("engine %d: KV prefetch of %s on engine %d failed: %s", index, rid, target, exc)
-                    if not weights:
-                        return
-            elif not weights:
-                return
-            # pinned: the move goes to the engine that copied its KV (a weight handover's
-            # move also when the copy failed: that engine serves the old weights)
-            now = time.monotonic()
-            if len(self._handover_pins) > MAX_HANDOVER_PINS:  # pins of moves that never came
-                self._handover_pins = {k: v for k, v in self._handover_pins.items() if v[1] > now - HANDOVER_PIN_S}
-            self._handover_pins[rid.split(REPLAY_ID_SEP, 1)[0]] = (target, now)
-
-        if not streams:
-            return  # nothing of this client's there: the engine drains without waiting for it
-        if weights and any(st.request is None for _, st in streams):
-            return  # one it could not pin to the old weights: they finish there
-        try:
-            await asyncio.gather(*(prefetch(rid, st) for rid, st in streams))
-            info = self._engines.get(index)
-            if info is not None and info.pid == pid and info.state in (EngineInfoState.DRAINING,
-                                                                       EngineInfoState.RUNNING):
-                await self.call_utility(index, "hand_over", {}, timeout_s=HANDOVER_PREFETCH_S)
-        except EngineDeadError as exc:  # gone meanwhile: its requests were failed over as a death
-            log.info("engine %d: gone before the handover: %s", index, exc)
-        except Exception as exc:  # noqa: BLE001 - the engine hands everything over at its deadline
-            log.warning("engine %d: handover request failed: %s", index, exc)
-
-    async def _other_weights(self, index: int) -> set[int]:
-        """The engines a weight handover from ``index`` must not go to: those whose weight
-        version differs from its, that have a load in progress, or that do not answer."""
-        others = [e for e in self._engines.values() if e.index != index and e.state == EngineInfoState.RUNNING]
-        results = await asyncio.gather(*(self.call_utility(i, "weight_status", {}, timeout_s=HANDOVER_PREFETCH_S)
-                                         for i in [index] + [e.index for e in others]), return_exceptions=True)
-        mine = results[0].get("version") if isinstance(results[0], dict) else None
-        bad = {e.index for e in self._engines.values() if e.state != EngineInfoState.RUNNING}
-        for e, r in zip(others, results[1:]):
-            load = r.get("load") if isinstance(r, dict) else None
-            busy = isinstance(load, dict) and load.get("state") in ("reading", "ready")
-            if mine is None or not isinstance(r, dict) or r.get("version") != mine or busy:
-                bad.add(e.index)
-        return bad
-
-    async def _transfer_kv(self, source: int, target: int, token_ids: list[int], salt: dict) -> int:
-        """A handover's pre-copy to an engine that cannot read the source's segment (another
-        node): the committed blocks relayed part by part (engine/kv_transfer.py), at most
-        KV_TRANSFER_PART_BYTES each, one transfer at a time per client, at most
-        ``kv_transfer_bytes_per_s`` (a part waits until the bytes before it are within the
-        rate), within HANDOVER_PREFETCH_S; the number of blocks the target took."""
-        deadline = time.monotonic() + HANDOVER_PREFETCH_S
-        start = taken = 0
-        async with self._transfer_lock:
-            began, sent = time.monotonic(), 0
-            while True:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    break
-                part = await self.call_utility(source, "export_kv", {
-                    "token_ids": token_ids, "start_block": start, "max_bytes": KV_TRANSFER_PART_BYTES, **salt},
-                    timeout_s=left)
-                hashes = part.get("hashes") if isinstance(part, dict) else None
-                data = part.get("data") if isinstance(part, dict) else None
-                if not hashes or not isinstance(hashes, list) or not isinstance(data, (bytes, bytearray, memoryview)):
-                    break
-                due = began + (sent + len(data)) / self.kv_transfer_bytes_per_s  # the rate's bound
-                if due >= deadline:
-                    break
-                if due > time.monotonic():
-                    await asyncio.sleep(due - time.monotonic())
-                got = await self.call_utility(target, "import_kv", {
-                    "token_ids": token_ids, "hashes": hashes, "data": data,
-                    "fingerprint": part.get("fingerprint"), "layout": part.get("layout"), "start_block": start,
-                    **salt}, timeout_s=max(0.001, deadline - time.monotonic()))
-                sent += len(data)
-                taken += int(got.get("blocks", 0)) if isinstance(got, dict) else 0
-                start += len(hashes)
-                if start >= int(part.get("num_full_blocks") or 0):
-                    break
-            self.kv_transfer_bytes += sent
-            self.kv_transfer_s += time.monotonic() - began
-        return taken
 
     def _on_kv_events(self, info: EngineInfo, events: KVCacheEvents) -> None:
         """Into the engine's prefix index, when they are its current process's and it keeps one."""
