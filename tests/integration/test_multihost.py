@@ -139,8 +139,8 @@ def _group(s: dict, placement: dict[str, int]) -> bool:
             and all(e["state"] == "running" for e in s["engines"]))
 
 
-def _text(d: NodeDaemon) -> str:
-    status, body = d.http("/v1/completions", PROMPT)
+def _text(d: NodeDaemon, body: dict = PROMPT) -> str:
+    status, body = d.http("/v1/completions", body)
     assert status == 200, body
     return json.loads(body)["choices"][0]["text"]
 
@@ -181,8 +181,21 @@ def test_scale_to_3_places_the_third_engine_then_back_to_2(nodes, reference):
     assert len(a.status()["engines"]) == 1
 
 
+def _index(d: NodeDaemon, check, what: str) -> dict:
+    """Node ``d``'s frontend's routing figures for its engine 0, once ``check`` holds (they
+    come with the frontend's liveness beats: up to a beat old)."""
+    return d.wait(lambda s: check(((s.get("routing") or {}).get("engines") or {}).get("0") or {}), 30, what)
+
+
 def test_sigkilled_rank_on_node_b_is_reformed_around_and_rejoins(nodes, reference):
+    """Also node B's prefix index of its rank: filled by a long prompt, dropped with the
+    killed process, filled again by the restarted one; the prompt's text the same."""
     a, b = nodes
+    long_prompt = dict(PROMPT, prompt="def main(argv):\n" + "    total = compute(argv, total)\n" * 24, max_tokens=4)
+    long_text = _text(b, long_prompt)
+    assert _text(b, long_prompt) == long_text
+    _index(b, lambda e: e.get("num_cached_blocks", 0) >= 4 and e.get("routed_cached_tokens", 0) >= 64,
+           "node b's index holding the long prompt, and a routed hit on it")
     epoch0 = a.status()["ep"]["epoch"]
     engine = b.status()["engines"][0]
     os.kill(engine["pid"], signal.SIGKILL)
@@ -191,7 +204,11 @@ def test_sigkilled_rank_on_node_b_is_reformed_around_and_rejoins(nodes, referenc
     s = b.wait(lambda s: _group(s, {"a": 1, "b": 1}) and s["ep"]["epoch"] > epoch0 + 1, 180, "b's rank rejoined")
     assert s["engines"][0]["restarts"] == engine["restarts"] + 1 and s["engines"][0]["pid"] != engine["pid"]
     assert s["engines"][0]["kv_source"] == "reused"
+    _index(b, lambda e: e.get("num_cached_blocks") == 0 and e.get("num_routed_while_down") == 0,
+           "node b's index of its restarted rank empty")
     assert _text(b) == reference and _text(a) == reference
+    assert _text(b, long_prompt) == long_text
+    _index(b, lambda e: e.get("num_cached_blocks", 0) >= 4, "node b's index filled again by the new process")
 
 
 @pytest.mark.slow  # make test-all (the default suite stays within CI's time; see README)
