@@ -34,6 +34,9 @@ What it does:
   (an exit never seen) gets the same delay; all go at a clean stop (``close_kv_segments``);
 - systemd hears READY=1 when the first engine serves, a STATUS= line on every change,
   STOPPING=1 on shutdown; the admin commands (daemon/commands/) call the public methods.
+
+Two mixins hold parts of it: the KV segment directory (daemon/supervisor_kv.py) and the
+admin operations, restart, drain and scale (daemon/supervisor_ops.py).
 """
 
 from __future__ import annotations
@@ -44,26 +47,25 @@ import signal
 from pathlib import Path
 from typing import Any, Callable, Protocol
 
-from planaria.common.errors import (BadArgumentError, ConflictError, UnavailableError,
-                                    UnknownEngineError)
 from planaria.common.logging import get_logger
 from planaria.daemon.children import Child, ChildSpec, describe_exit
 from planaria.daemon.config import ServeConfig, live_changes
 from planaria.daemon.ep_supervisor import POLL_S as EP_POLL_S, EPSupervisor
 from planaria.daemon.frontend_watch import FrontendWatch
 from planaria.daemon.hang_detector import HangDetector, StoppedWatch
-from planaria.daemon.kv_segments import KVSegmentDir, KVSegmentDirError
+from planaria.daemon.kv_segments import KVSegmentDir
 from planaria.daemon.launch import FRONTEND_KEY, Launcher, engine_key
 from planaria.daemon.restart_policy import GiveUp, HoldOff, RestartAt, RestartNow
 from planaria.daemon.slot import AfterExit, Incarnation, ScaleOp, Slot, SlotState
 from planaria.daemon.standby_pool import StandbyPool
+from planaria.daemon.supervisor_kv import KVSegmentsMixin
+from planaria.daemon.supervisor_ops import AdminOps
 
 EXIT_OK, EXIT_FAILURE = 0, 1
 # engine/proc.py's HANDOVER_SIGNAL (not imported: the engine package pulls in torch)
 HANDOVER_SIGNAL = signal.SIGUSR2
 STOPPED_POLL_S = 0.2  # how often engines are looked at for a job-control stop (stopped_timeout_s)
 EXIT_CONFIG = 2  # every engine was refused for its configuration: restarting cannot help
-KV_ORPHAN_SCAN_S = 10.0  # how often the KV segment dir is looked at for files of no known process
 
 
 class Spawner(Protocol):
@@ -107,7 +109,7 @@ def _is_job_stopped(pid: int) -> bool:
         return False
 
 
-class Supervisor:
+class Supervisor(KVSegmentsMixin, AdminOps):
     def __init__(self, config: ServeConfig, spawner: Spawner, clock: Callable[[], float], *,
                  launcher: Launcher | None = None, notifier: Notifier | None = None,
                  report_dead: Callable[..., None] | None = None,
@@ -169,81 +171,6 @@ class Supervisor:
         if slot.key == FRONTEND_KEY:
             return self.log.bind(child="frontend", pid=slot.pid)
         return self.log.bind(engine_id=slot.engine_id, rank=self.rank(slot.engine_id), pid=slot.pid)
-
-    # -- KV segments --------------------------------------------------------------------
-    def open_kv_segments(self, kv_segments: KVSegmentDir | None = None) -> KVSegmentDir | None:
-        """With ``--kv-salvage on``: make (or take) the KV segment directory, remove what a
-        previous daemon left there, and name it to the engines to come (before ``start``).
-        A directory that is unsafe or cannot be made turns salvage off, with a warning:
-        engines then keep their KV in private memory. ``kv_segments``: one made already
-        (tests)."""
-        if not self.config.kv_salvage or self.kv_segments is not None:
-            return self.kv_segments
-        segments = kv_segments
-        try:
-            segments = segments or KVSegmentDir.for_runtime_dir(self.config.runtime_dir)
-            swept, free = segments.sweep(), segments.usage()["free_bytes"]
-        except (KVSegmentDirError, OSError) as exc:
-            if segments is not None:
-                segments.close()
-            self.kv_segments_error = str(exc)
-            self.log.warning("KV salvage off: no usable KV segment directory; engines keep their KV "
-                             "cache in private memory", error=str(exc))
-            return None
-        self.kv_segments = segments
-        self.launcher.kv_segment_dir = str(segments.path)
-        self._kv_orphan_scan_at = self.clock() + KV_ORPHAN_SCAN_S
-        self.log.info("KV segments", dir=str(segments.path), swept=swept,
-                      ttl_s=self.config.kv_segment_ttl_s, free_bytes=free)
-        return segments
-
-    def close_kv_segments(self) -> None:
-        """At the end (every child gone): remove every segment and the directory."""
-        segments, self.kv_segments = self.kv_segments, None
-        if segments is None:
-            return
-        self.launcher.kv_segment_dir = ""
-        try:
-            removed = segments.remove_all()
-        except OSError as exc:
-            self.log.warning("could not remove the KV segment dir", dir=str(segments.path), error=str(exc))
-            return
-        self.log.info("KV segments removed", dir=str(segments.path), num_files=removed)
-
-    def _keep_kv_segment(self, pid: int | None, now: float) -> None:
-        """Process ``pid`` exited: its KV segment goes ``kv_segment_ttl_s`` from now."""
-        if self.kv_segments is not None and pid is not None:
-            self.kv_segments.schedule_removal(pid, now + self.config.kv_segment_ttl_s)
-
-    def _tick_kv_segments(self, now: float) -> float | None:
-        segments = self.kv_segments
-        if segments is None:
-            return None
-        try:
-            due, scan = segments.next_due(), now >= self._kv_orphan_scan_at
-            live = {c.pid for c in self.live_children()} if scan or (due is not None and due <= now) else set()
-            if due is not None and due <= now:
-                removed = segments.tick(now, live)
-                if removed:
-                    self.log.debug("KV segments removed", num_files=removed)
-            if scan:
-                self._kv_orphan_scan_at = now + KV_ORPHAN_SCAN_S
-                for pid in segments.unscheduled(live):
-                    self._keep_kv_segment(pid, now)
-        except OSError as exc:  # the directory went away: nothing to hold there any more
-            self.log.warning("KV segment dir unusable", dir=str(segments.path), error=str(exc))
-            return None
-        return min(t for t in (segments.next_due(), self._kv_orphan_scan_at) if t is not None)
-
-    def kv_segments_status(self) -> dict[str, Any] | None:
-        if self.kv_segments is not None:
-            try:
-                return self.kv_segments.usage()
-            except OSError as exc:
-                return {"dir": str(self.kv_segments.path), "error": str(exc)}
-        if self.kv_segments_error is not None:
-            return {"dir": None, "error": self.kv_segments_error}
-        return None
 
     # -- starting -----------------------------------------------------------------------
     def start(self) -> None:
@@ -636,144 +563,6 @@ class Supervisor:
         self.notifier.ready(status=self.status_line())
         self._last_status = self.status_line()
         return {"applied": live, "needs_restart": needs_restart}
-
-    # -- admin operations ---------------------------------------------------------------
-    def engine(self, engine_id: Any) -> Slot:
-        if isinstance(engine_id, bool) or not isinstance(engine_id, int):
-            raise BadArgumentError(f"engine id must be an integer, got {engine_id!r}")
-        slot = self.engines.get(engine_id)
-        if slot is None:
-            known = ", ".join(map(str, sorted(self.engines))) or "none"
-            raise UnknownEngineError(f"no engine {engine_id} (engines: {known})")
-        return slot
-
-    def _check_serving(self) -> None:
-        if self.shutting_down:
-            raise UnavailableError("the daemon is shutting down")
-
-    def restart_engine(self, engine_id: int) -> dict[str, Any]:
-        self._check_serving()
-        slot = self.engine(engine_id)
-        if slot.state is SlotState.STOPPING:
-            raise ConflictError(f"engine {engine_id} is already stopping ({slot.after_exit.value})")
-        if slot.child is not None:
-            self._stop(slot, AfterExit.RESTART)
-        else:
-            self._spawn(slot)
-        self._notify_status()
-        return {"engine_id": engine_id, "state": slot.state.value}
-
-    def drain_engine(self, engine_id: int) -> dict[str, Any]:
-        self._check_serving()
-        slot = self.engine(engine_id)
-        if slot.state is SlotState.DRAINED or slot.after_exit is AfterExit.DRAIN:
-            return {"engine_id": engine_id, "state": slot.state.value, "changed": False}
-        if slot.state is SlotState.STOPPING:
-            raise ConflictError(f"engine {engine_id} is already stopping ({slot.after_exit.value})")
-        if slot.child is not None:
-            self._stop(slot, AfterExit.DRAIN)
-        else:
-            slot.state, slot.due_at, slot.reason = SlotState.DRAINED, None, "drained"
-        self._notify_status()
-        return {"engine_id": engine_id, "state": slot.state.value, "changed": True}
-
-    def _kv_figures(self, but: Slot | None = None) -> list[int]:
-        """The kv_cache_bytes of the serving engines (other than ``but``)."""
-        beats = [s.current.heartbeat for s in self.engines.values()
-                 if s is not but and s.state is SlotState.RUNNING and s.current is not None]
-        return [hb.kv_cache_bytes for hb in beats if hb is not None and hb.kv_cache_bytes > 0]
-
-    def reused_kv_cache_bytes(self) -> int | None:
-        """The smallest kv_cache_bytes of the serving engines (a scale-up reuses it; in EP
-        mode ``EPSupervisor.reused_kv_config`` adds the group's kv_budget figure)."""
-        figures = self._kv_figures()
-        return min(figures) if figures else None
-
-    def engine_count(self) -> int:
-        """The engine count `scale up|down` starts from: this daemon's engines, or in EP
-        mode the cluster's (its desired count)."""
-        count = self.ep.engine_count() if self.ep is not None else None
-        return len(self.engines) if count is None else count
-
-    def scale_to(self, target: Any) -> dict[str, Any]:
-        self._check_serving()
-        if isinstance(target, bool) or not isinstance(target, int):
-            raise BadArgumentError(f"engine count must be an integer, got {target!r}")
-        if self.ep is not None:  # EP: cluster-wide; the leader places it over the nodes
-            if target < 1:
-                raise BadArgumentError(f"engine count must be between 1 and the cluster's capacity, got {target}")
-            return self.ep.scale_to(target, len(self.engines))
-        if not 1 <= target <= self.config.max_engines:
-            raise BadArgumentError(f"engine count must be between 1 and the capacity "
-                                   f"--max-engines={self.config.max_engines}, got {target}")
-        if self.scale_op is not None:
-            raise ConflictError(f"scale operation {self.scale_op.op_id} (to "
-                                f"{self.scale_op.target}) is still in progress")
-        current = len(self.engines)
-        if target == current:
-            return {"engines": current, "target": target, "changed": False, "op_id": None}
-        op = ScaleOp(next(self._op_ids), target, adding=[], removing=[])
-        if target > current:
-            kv = self.reused_kv_cache_bytes()
-            op.adding = self._add_engines(target - current, {"kv_cache_bytes": kv, "kv_source": "reused"}
-                                          if kv else {})
-        else:
-            op.removing = sorted(self.engines)[target:]
-            for engine_id in op.removing:
-                self._remove_engine(engine_id)
-        self.scale_op = op
-        self.log.info("scaling", op_id=op.op_id, engines=current, target=target,
-                      adding=op.adding, removing=op.removing)
-        self._update_scale_op()
-        self._notify_status()
-        return {"engines": current, "target": target, "changed": True, "op_id": op.op_id,
-                "adding": op.adding, "removing": op.removing}
-
-    def _add_engines(self, num: int, extra_config: dict[str, Any]) -> list[int]:
-        """Start ``num`` engines in the lowest free slots; returns their ids."""
-        added = list(itertools.islice((i for i in itertools.count() if i not in self.engines), num))
-        for engine_id in added:
-            slot = self.engines[engine_id] = Slot(engine_key(engine_id), extra_config=dict(extra_config))
-            self._spawn(slot)
-        return added
-
-    def _remove_engine(self, engine_id: int) -> None:
-        """Remove an engine: drained and stopped (an EP rank drains by leaving its group at
-        an epoch boundary, its requests moving to survivors); the slot goes when it exits."""
-        slot = self.engines[engine_id]
-        if slot.child is None:
-            del self.engines[engine_id]
-            self.policy.forget(slot.key)
-        elif slot.state is SlotState.STOPPING:
-            slot.current.after_exit = AfterExit.REMOVE  # on its way out already
-        else:
-            self._stop(slot, AfterExit.REMOVE)  # drains its requests first
-
-    def _follow_placement(self) -> None:
-        """EP: start or remove engines to match this node's share of the placement."""
-        changes = self.ep.slot_changes(self.engines)
-        if changes is None:
-            return
-        added = self._add_engines(changes.num_add, self.ep.reused_kv_config(self._kv_figures()))
-        for engine_id in changes.remove:
-            self._remove_engine(engine_id)
-        self.log.info("following the placement", share=self.ep.share(), added=added, removing=changes.remove)
-        self._notify_status()
-
-    def ep_status(self) -> dict[str, Any] | None:
-        """Epoch, ranks and the active operation from etcd (None when not EP)."""
-        return self.ep.status() if self.ep is not None else None
-
-    def _update_scale_op(self) -> None:
-        op = self.scale_op
-        if op is None:
-            return
-        pending = [i for i in op.adding if i in self.engines and self.engines[i].state in (
-            SlotState.STARTING, SlotState.BACKOFF, SlotState.WAITING)]
-        pending += [i for i in op.removing if i in self.engines]
-        if not pending:
-            self.log.info("scale done", op_id=op.op_id, engines=len(self.engines))
-            self.scale_op = None
 
     def status(self) -> dict[str, Any]:
         now = self.clock()
