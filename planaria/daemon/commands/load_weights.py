@@ -11,9 +11,10 @@ thread of its own while it goes on serving, and swaps it in at a step boundary:
 old weights (a rolling update, one --engine at a time), then swaps; a request no such
 engine can take (every engine loading at once, the last of a rolling update) finishes on
 the old weights first, as with ``finish_old`` (new ones wait for the swap);
-``continue_new`` swaps at once and recomputes the running requests on the new weights. Responses carry ``weight_version`` (the checkpoint's content
-hash, or --version). Without --no-wait the command waits until every engine applied the
-weights or failed (a checkpoint whose tensors do not fit fails there, old weights kept).
+``continue_new`` swaps at once and recomputes the running requests on the new weights.
+Responses carry ``weight_version`` (the checkpoint's content hash, or --version). Without
+--no-wait the command waits until every engine applied the weights or failed (a
+checkpoint whose tensors do not fit fails there, old weights kept).
 An engine that restarts later starts from the serve --model directory again.
 
 Only the frontend holds the engines' sockets, so the supervisor forwards to the
