@@ -65,6 +65,12 @@ def chain_root(cache_salt: str | None) -> int:
     return int.from_bytes(h.digest(), "little")
 
 
+def block_parent(hashes: Sequence[int], num_blocks: int, cache_salt: str | None = None) -> int:
+    """The parent of block ``num_blocks`` of a chain whose full blocks hash to ``hashes``:
+    the hash of the block before it, or the chain's root for the first."""
+    return hashes[num_blocks - 1] if num_blocks else chain_root(cache_salt)
+
+
 def hash_request_blocks(token_ids: Sequence[int], block_size: int, existing: list[int],
                         cache_salt: str | None = None) -> list[int]:
     """Extend ``existing`` (hashes of the first len(existing) blocks) over every full block:
@@ -73,7 +79,7 @@ def hash_request_blocks(token_ids: Sequence[int], block_size: int, existing: lis
     num_full_blocks = len(token_ids) // block_size
     if len(existing) >= num_full_blocks:
         return existing
-    parent = existing[-1] if existing else chain_root(cache_salt)
+    parent = block_parent(existing, len(existing), cache_salt)
     for i in range(len(existing), num_full_blocks):
         parent = hash_block_tokens(parent, token_ids[i * block_size:(i + 1) * block_size])
         existing.append(parent)

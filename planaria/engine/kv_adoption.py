@@ -125,14 +125,14 @@ class KVAdoption:
         copy lacks (the last token, after a kill in decode) instead of the whole block.
         The segment may hold one position more than the replay's tokens leave to trust
         (the output of its last step was lost with it): that position is computed again."""
-        from planaria.engine.block_pool import chain_root, hash_partial_block
+        from planaria.engine.block_pool import block_parent, hash_partial_block
         from planaria.engine.kv_segment import copy_blocks
 
         bs = self.kv.block_size
         num_full = len(wanted)
         tokens = req.all_token_ids[num_full * bs:]
         trusted = req.num_tokens - 1 - num_full * bs  # positions a computation would skip
-        parent = wanted[-1] if wanted else chain_root(req.cache_salt)
+        parent = block_parent(wanted, len(wanted), req.cache_salt)
         for m in range(min(len(tokens), bs - 1), 0, -1):
             hit = src.find(hash_partial_block(parent, tokens[:m]))
             if hit is not None:

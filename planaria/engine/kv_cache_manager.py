@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from planaria.engine.block_pool import BlockPool, CacheEvents, chain_root, hash_partial_block, hash_request_blocks
+from planaria.engine.block_pool import BlockPool, CacheEvents, block_parent, hash_partial_block, hash_request_blocks
 from planaria.engine.request import Request, RequestStatus
 
 # a request that ended so keeps its last, not-full block for a follow-up (BlockPool.cache_partial)
@@ -80,7 +80,7 @@ class KVCacheManager:
         most = min(self.block_size - 1, req.num_tokens - 1 - start)
         if most <= 0:
             return None
-        parent = hashes[num_hits - 1] if num_hits else chain_root(req.cache_salt)
+        parent = block_parent(hashes, num_hits, req.cache_salt)
         found = self.pool.find_partial(parent, req.all_token_ids[start:start + most], most)
         if found is None:
             return None
@@ -175,7 +175,7 @@ class KVCacheManager:
             self._num_committed[rid] = n
         partial = num_tokens - n * bs
         if 0 < partial < bs and n == num_tokens // bs and len(blocks) > n:
-            parent = hashes[n - 1] if n else chain_root(req.cache_salt)
+            parent = block_parent(hashes, n, req.cache_salt)
             record.commit(blocks[n], hash_partial_block(parent, req.all_token_ids[n * bs:num_tokens]))
 
     def adopt_tail(self, request_id: str, num_full_blocks: int, num_positions: int, copy) -> bool:
@@ -263,7 +263,7 @@ class KVCacheManager:
         if not blocks or computed % bs == 0 or len(blocks) <= n:
             return None
         hashes = hash_request_blocks(req.all_token_ids, bs, req.block_hashes, req.cache_salt)
-        parent = hashes[n - 1] if n else chain_root(req.cache_salt)
+        parent = block_parent(hashes, n, req.cache_salt)
         return blocks[n], parent, req.all_token_ids[n * bs:computed]
 
     def _write_row(self, request_id: str, blocks: list[int], start: int) -> None:
