@@ -355,9 +355,12 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     seqs = [int(s) for s in args.seqs.split(",")]
     sizes = tuple(int(s) for s in args.gemm_sizes.split(","))
-    peaks = {p["dtype"]: p for p in (gemm_peak(d, sizes, args.reps) for d in (torch.bfloat16, torch.float32))}
-    bandwidth = memory_bandwidth(args.buffer_mib * 2**20, args.reps)
     engine_dtype = choose_dtype(args.dtype, torch.device("cpu"))
+    # float32 always, bf16 where the engine runs it (on a host without native bf16 a bf16
+    # matmul is emulated: minutes per size, and no engine there runs bf16 by default)
+    dtypes = dict.fromkeys((engine_dtype.dtype, torch.float32))
+    peaks = {p["dtype"]: p for p in (gemm_peak(d, sizes, args.reps) for d in dtypes)}
+    bandwidth = memory_bandwidth(args.buffer_mib * 2**20, args.reps)
     print(render_host(cpu_line(), f"{engine_dtype.name} ({engine_dtype.reason})", torch.get_num_threads(),
                       peaks, bandwidth), flush=True)
     print(f"workload: prompt {PROMPT_LEN} tokens, {args.out_len} out, greedy; the step's median over the "

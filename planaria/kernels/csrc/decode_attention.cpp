@@ -10,9 +10,10 @@
 // AVX-512 (float32) or AVX512-BF16 (bfloat16): scores for 16 keys at a time, each dot
 // product left in a vector and the 16 summed by one transpose-and-add tree (bf16 keys
 // read by the dot instruction as they are); the weighted values with up to 4 heads x 64
-// values of float32 accumulators in registers over all the tokens. Token slots are
-// worked out once per pair, block by block (no division per token). float16 and
-// builds without those instructions take the plain loops below.
+// values of float32 accumulators in registers over all the tokens; with AVX2 + FMA and no
+// AVX-512 (float32) the same with 8 lanes (8 keys a tree, 4 heads x 16 values in
+// registers). Token slots are worked out once per pair, block by block (no division per
+// token). float16 and builds without those instructions take the plain loops below.
 // planaria/kernels/cpu_ext.py builds this file; the torch code in kernels/attention.py is
 // the reference it is tested against (tests/kernels/test_cpu_ext.py).
 
@@ -174,6 +175,115 @@ inline void values_fast(const T* vp, int64_t slot_stride, int64_t voff, const in
 }
 #endif
 
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+// AVX2 + FMA, float32 (a CPU without AVX-512): the same two passes with 8 lanes. Scores
+// for 8 keys at a time (each dot product left in a vector, the 8 summed by one
+// hadd-and-permute tree); the weighted values with up to 4 heads x 16 values of
+// accumulators in registers (8 of the 16 AVX2 registers) over all the tokens.
+using planaria_cpu::tail_mask8;
+
+// lane j of the result = the sum of v[j]'s 8 lanes
+inline __m256 hsum8x8(const __m256* v) {
+  const __m256 t0 = _mm256_hadd_ps(v[0], v[1]), t1 = _mm256_hadd_ps(v[2], v[3]);
+  const __m256 t2 = _mm256_hadd_ps(v[4], v[5]), t3 = _mm256_hadd_ps(v[6], v[7]);
+  const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);  // low / high halves' sums
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+// the 8 lanes whose sum is a . b (length D)
+inline __m256 dot_lanes8(const float* a, const float* b, int64_t D) {
+  __m256 acc = _mm256_setzero_ps();
+  int64_t d = 0;
+  for (; d + 8 <= D; d += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + d), _mm256_loadu_ps(b + d), acc);
+  if (d < D) {
+    const __m256i m = tail_mask8(D - d);
+    acc = _mm256_fmadd_ps(_mm256_maskload_ps(a + d, m), _mm256_maskload_ps(b + d, m), acc);
+  }
+  return acc;
+}
+
+// scores[g * ctx + t] = scale * q_g . k_t for G query heads, 8 keys at a time
+inline void scores_avx2(const float* q, const float* kp, const float* vp, int64_t slot_stride, int64_t koff,
+                        const int64_t* slots, int64_t ctx, int64_t G, int64_t D, float scale, float* scores) {
+  const __m256 vscale = _mm256_set1_ps(scale);
+  const float* krow[8];
+  __m256 v[8];
+  const int64_t row_bytes = D * static_cast<int64_t>(sizeof(float));
+  for (int64_t t0 = 0; t0 < ctx; t0 += 8) {
+    const int n = static_cast<int>(std::min<int64_t>(8, ctx - t0));
+    // the next 8 keys' rows, and these tokens' value rows for the pass after the softmax
+    for (int64_t t = t0 + 8; t < std::min(ctx, t0 + 16); ++t)
+      for (int64_t b = 0; b < row_bytes; b += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(kp + slots[t] * slot_stride + koff) + b, _MM_HINT_T0);
+    for (int64_t t = t0; t < t0 + n; ++t)
+      for (int64_t b = 0; b < row_bytes; b += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(vp + slots[t] * slot_stride + koff) + b, _MM_HINT_T1);
+    for (int j = 0; j < n; ++j) krow[j] = kp + slots[t0 + j] * slot_stride + koff;
+    const __m256i m = tail_mask8(n);
+    for (int64_t g = 0; g < G; ++g) {
+#pragma GCC unroll 8
+      for (int j = 0; j < 8; ++j) v[j] = j < n ? dot_lanes8(q + g * D, krow[j], D) : _mm256_setzero_ps();
+      _mm256_maskstore_ps(scores + g * ctx + t0, m, _mm256_mul_ps(hsum8x8(v), vscale));
+    }
+  }
+}
+
+// out_g[d0 .. d0 + 8 DC) = sum_t p_g[t] v_t[same] for GN query heads (GN x DC accumulators)
+template <int GN, int DC>
+inline void weighted_values8(const float* vp, int64_t slot_stride, int64_t voff, const int64_t* slots, int64_t ctx,
+                             int64_t D, int64_t d0, const float* p, int64_t p_stride, float* out) {
+  __m256i m[DC];
+  for (int c = 0; c < DC; ++c) m[c] = tail_mask8(D - d0 - 8 * c);
+  __m256 acc[GN][DC];
+#pragma GCC unroll 4
+  for (int g = 0; g < GN; ++g)
+#pragma GCC unroll 2
+    for (int c = 0; c < DC; ++c) acc[g][c] = _mm256_setzero_ps();
+  for (int64_t t = 0; t < ctx; ++t) {
+    const float* row = vp + slots[t] * slot_stride + voff + d0;
+    __m256 v[DC];
+#pragma GCC unroll 2
+    for (int c = 0; c < DC; ++c) v[c] = _mm256_maskload_ps(row + 8 * c, m[c]);
+#pragma GCC unroll 4
+    for (int g = 0; g < GN; ++g) {
+      const __m256 pg = _mm256_broadcast_ss(p + g * p_stride + t);
+#pragma GCC unroll 2
+      for (int c = 0; c < DC; ++c) acc[g][c] = _mm256_fmadd_ps(pg, v[c], acc[g][c]);
+    }
+  }
+#pragma GCC unroll 4
+  for (int g = 0; g < GN; ++g)
+#pragma GCC unroll 2
+    for (int c = 0; c < DC; ++c) _mm256_maskstore_ps(out + g * D + d0 + 8 * c, m[c], acc[g][c]);
+}
+
+template <int GN>
+inline void weighted_values8_d(int dc, const float* vp, int64_t slot_stride, int64_t voff, const int64_t* slots,
+                               int64_t ctx, int64_t D, int64_t d0, const float* p, int64_t p_stride, float* out) {
+  if (dc == 2)
+    weighted_values8<GN, 2>(vp, slot_stride, voff, slots, ctx, D, d0, p, p_stride, out);
+  else
+    weighted_values8<GN, 1>(vp, slot_stride, voff, slots, ctx, D, d0, p, p_stride, out);
+}
+
+// acc_g = sum_t p_gt v_t for all G heads: blocks of up to 4 heads x 16 values
+inline void values_avx2(const float* vp, int64_t slot_stride, int64_t voff, const int64_t* slots, int64_t ctx,
+                        int64_t G, int64_t D, const float* p, float* acc) {
+  for (int64_t g0 = 0; g0 < G; g0 += 4)
+    for (int64_t d0 = 0; d0 < D; d0 += 16) {
+      const int dc = D - d0 > 8 ? 2 : 1;
+      const float* pg = p + g0 * ctx;
+      float* ag = acc + g0 * D;
+      switch (std::min<int64_t>(4, G - g0)) {
+        case 4: weighted_values8_d<4>(dc, vp, slot_stride, voff, slots, ctx, D, d0, pg, ctx, ag); break;
+        case 3: weighted_values8_d<3>(dc, vp, slot_stride, voff, slots, ctx, D, d0, pg, ctx, ag); break;
+        case 2: weighted_values8_d<2>(dc, vp, slot_stride, voff, slots, ctx, D, d0, pg, ctx, ag); break;
+        default: weighted_values8_d<1>(dc, vp, slot_stride, voff, slots, ctx, D, d0, pg, ctx, ag); break;
+      }
+    }
+}
+#endif
+
 template <typename T>
 void decode_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                    const at::Tensor& block_tables, const at::Tensor& ctx_lens, int64_t block_size,
@@ -207,6 +317,11 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
         scores_fast<T>(qp + (b * Hq + h * G) * D, kp, vp, slot_stride, h * D, slots.data(), ctx, G, D, fscale,
                        scores.data());
 #endif
+      } else if constexpr (planaria_cpu::avx2_fast<T>()) {
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+        scores_avx2(qp + (b * Hq + h * G) * D, kp, vp, slot_stride, h * D, slots.data(), ctx, G, D, fscale,
+                    scores.data());
+#endif
       } else {
         widen(qp + (b * Hq + h * G) * D, qf.data(), G * D);
         for (int64_t i = 0; i < G * D; ++i) qf[i] *= fscale;
@@ -239,6 +354,10 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
       if constexpr (planaria_cpu::avx512_fast<T>()) {
 #if defined(__AVX512F__)
         values_fast<T>(vp, slot_stride, h * D, slots.data(), ctx, G, D, scores.data(), acc.data());
+#endif
+      } else if constexpr (planaria_cpu::avx2_fast<T>()) {
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+        values_avx2(vp, slot_stride, h * D, slots.data(), ctx, G, D, scores.data(), acc.data());
 #endif
       } else {
         std::fill(acc.begin(), acc.end(), 0.f);

@@ -10,7 +10,7 @@
 // a time, since 16 accumulators would fill all 16 AVX2 registers);
 // dot_many is the plain C++ path for the rest. tail_mask16/32: the load mask for the last,
 // partial vector of a row (all lanes when 16/32 are left). avx512_fast<T>(): the AVX-512
-// part alone (decode attention's fast path is written for it).
+// part alone, avx2_fast<T>() the AVX2 one (decode attention has a fast path for each).
 #pragma once
 
 #include <c10/util/BFloat16.h>
@@ -40,6 +40,16 @@ constexpr bool avx512_fast() {
   if (std::is_same_v<T, c10::BFloat16>) return true;
 #endif
 #if defined(__AVX512F__)
+  if (std::is_same_v<T, float>) return true;
+#endif
+  return false;
+}
+
+// the AVX2 + FMA part alone (float32 on a CPU without AVX-512: decode attention's
+// 8-lane fast path)
+template <typename T>
+constexpr bool avx2_fast() {
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
   if (std::is_same_v<T, float>) return true;
 #endif
   return false;
