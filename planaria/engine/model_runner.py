@@ -79,7 +79,7 @@ class ModelRunner:
         self.model, self.hf_config, self.spec, self.weights_bytes = load_model(
             config.model, self.dtype, self.device, max_model_len, expert_range, progress,
             hf_config=hf_config, timings=self.load_timings, batch_invariant=self.invariance.on)
-        # bf16 linears on the CPU get packed copies (for oneDNN, or for the batch-invariant
+        # bf16 / float32 linears on the CPU get packed copies (for oneDNN, or for the batch-invariant
         # kernel), counted before the memory profile
         self.packed_bytes = packing.pack_linears(self.model, self.device, self.dtype, experts=expert_range is None)
         self.weights_bytes += self.packed_bytes
@@ -306,7 +306,7 @@ class ModelRunner:
     def replace_weights(self, tensors: dict[str, torch.Tensor], model_dir: str) -> None:
         """Copy ``tensors`` (by parameter name, checked to fit by engine/weight_update.py)
         into the parameters in place, so the KV cache, buffers and any compiled graph stay
-        valid; packed bf16 linears follow their new weights. Expert re-homing reads from
+        valid; packed linears follow their new weights. Expert re-homing reads from
         ``model_dir`` from now on."""
         with torch.no_grad():
             for name, p in self.model.named_parameters():

@@ -5,13 +5,16 @@ how fast it streams the weight; torch's GEMM (MKL / oneDNN) streams it at a frac
 what memory gives at one to a few rows (bench/README.md). ``torch.ops.planaria.
 skinny_linear`` (csrc/skinny_linear.cpp) reads each tile of four weight rows once and
 meets every row of x with it from L1. ``linear`` takes it for up to ``max_rows(dtype)``
-rows and F.linear (or the oneDNN-packed weight) otherwise:
+rows (``max_rows(dtype, packed)``) and F.linear (or the oneDNN-packed weight) otherwise:
 
 - float32 with AVX-512: up to 64 rows (1.0-2.4x torch's float32 GEMM at 1-64 rows;
   from about 16 rows both are bound by arithmetic, where this kernel comes closer to
   the FMA peak);
 - float32 with AVX2 + FMA and no AVX-512: up to 16 rows (AMD EPYC, 2 vCPUs:
-  1.5-3x torch's GEMM at 1-4 rows, 1.0-1.15x at 16, 0.6-0.9x at 64; bench/cpu_kernels.py);
+  1.5-3x torch's GEMM at 1-4 rows, 1.0-1.15x at 16, 0.6-0.9x at 64; bench/cpu_kernels.py),
+  up to 4 where the weight has a oneDNN-packed copy (engine/models/packing.py): the
+  packed float32 GEMM is 1.1-1.4x this kernel from 6-8 rows on, and 1.1-2.2x torch's
+  unpacked GEMM at 17-64 rows, on that host at SmolLM2's shapes;
 - bfloat16 with AVX512-BF16 and no AMX: up to 8 rows (1.1-1.3x the oneDNN-packed GEMM;
   past 16 rows oneDNN is faster);
   with AMX, oneDNN's AMX GEMM is kept (not measured against it);
@@ -51,34 +54,36 @@ import torch.nn.functional as F
 from planaria.kernels import cpu_ext
 from planaria.kernels.sampling import argmax_rows
 
-_MAX_ROWS: dict[torch.dtype, int] = {}
+_MAX_ROWS: dict[tuple[torch.dtype, bool], int] = {}
 _FUSED_ARGMAX_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _SKINNY_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 INVARIANT_ROWS = 64  # rows of x per call of the C++ kernel in invariant mode
 
 
-def max_rows(dtype: torch.dtype) -> int:
-    """Up to how many rows of x ``linear`` takes the C++ kernel (0: never)."""
+def max_rows(dtype: torch.dtype, packed: bool = False) -> int:
+    """Up to how many rows of x ``linear`` takes the C++ kernel (0: never); ``packed``:
+    for a weight with a oneDNN-packed copy (the other choice then being that copy)."""
     if not cpu_ext.available():
         return 0
-    n = _MAX_ROWS.get(dtype)
+    n = _MAX_ROWS.get((dtype, packed))
     if n is None:
         flags = set(cpu_ext.cpu_flags().split())
         if dtype == torch.float32 and "avx512f" in flags:
             n = 64
         elif dtype == torch.float32 and {"avx2", "fma"} <= flags:
-            n = 16
+            n = 4 if packed else 16
         elif dtype == torch.bfloat16 and "avx512_bf16" in flags and "amx_bf16" not in flags:
             n = 8
         else:
             n = 0
-        _MAX_ROWS[dtype] = n
+        _MAX_ROWS[(dtype, packed)] = n
     return n
 
 
-def takes_skinny(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether ``linear`` runs ``x`` through the C++ kernel (reading ``weight`` itself)."""
-    return (x.dim() == 2 and x.device.type == "cpu" and 0 < x.shape[0] <= max_rows(weight.dtype)
+def takes_skinny(x: torch.Tensor, weight: torch.Tensor, packed: bool = False) -> bool:
+    """Whether ``linear`` runs ``x`` through the C++ kernel (reading ``weight`` itself);
+    ``packed``: the weight has a oneDNN-packed copy."""
+    return (x.dim() == 2 and x.device.type == "cpu" and 0 < x.shape[0] <= max_rows(weight.dtype, packed)
             and x.dtype == weight.dtype and weight.is_contiguous())
 
 
@@ -127,7 +132,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     checked ``invariant_available``)."""
     if invariant:
         return invariant_linear(x, weight, bias, packed)
-    if takes_skinny(x, weight):
+    if takes_skinny(x, weight, packed is not None):
         return torch.ops.planaria.skinny_linear(x.contiguous(), weight, bias)
     if packed is not None:
         return packed_linear(x, packed, bias)
@@ -152,7 +157,7 @@ def lm_head_logits(x: torch.Tensor, weight: torch.Tensor, packed: list[torch.Ten
     if invariant:
         logits = invariant_linear(x, weight, None, packed[0] if packed is not None else None)
         return logits.float() if float32 else logits
-    if packed is not None and len(packed) > 1 and not takes_skinny(x, weight):
+    if packed is not None and len(packed) > 1 and not takes_skinny(x, weight, True):
         return torch.ops.planaria.packed_linear_chunked(x.contiguous(), packed, packed[0].shape[0], float32)
     logits = linear(x, weight, None, packed[0] if packed is not None and len(packed) == 1 else None)
     return logits.float() if float32 else logits
@@ -172,7 +177,8 @@ def linear_argmax(x: torch.Tensor, weight: torch.Tensor, packed: list[torch.Tens
     if invariant:
         return argmax_rows(lm_head_logits(x, weight, packed, float32=False, invariant=True))
     m = x.shape[0]
-    if (x.dim() == 2 and x.device.type == "cpu" and m > max_rows(weight.dtype) and x.dtype == weight.dtype
+    if (x.dim() == 2 and x.device.type == "cpu" and m > max_rows(weight.dtype, packed is not None)
+            and x.dtype == weight.dtype
             and x.dtype in _FUSED_ARGMAX_DTYPES and cpu_ext.available()):
         if packed is None and weight.is_contiguous():
             return torch.ops.planaria.linear_argmax(x.contiguous(), weight, lm_head_chunk(m, x.dtype))

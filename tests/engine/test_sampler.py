@@ -235,15 +235,19 @@ def test_plain_greedy_batches_take_the_argmax_inside_the_lm_head(tiny_moe, monke
     llm = LLM(tiny_moe, max_num_seqs=80, kv_cache_bytes=2**24, batch_invariant=False)
     model = llm.core.runner.model
     rows, fused = [], []
-    real_greedy, real_op = model.greedy_tokens, torch.ops.planaria.linear_argmax if cpu_ext.available() else None
+    real_greedy = model.greedy_tokens
     monkeypatch.setattr(model, "greedy_tokens", lambda h: rows.append(h.shape[0]) or real_greedy(h))
-    if real_op is not None:
-        monkeypatch.setattr(torch.ops.planaria, "linear_argmax", lambda *a: fused.append(a[0].shape[0]) or real_op(*a))
-    n = lin.max_rows(model.lm_head_weight().dtype) + 4  # a batch past the skinny kernel's rows
+    if cpu_ext.available():  # the fused op on the weight, or on its oneDNN-packed chunks
+        for name in ("linear_argmax", "packed_linear_argmax"):
+            real_op = getattr(torch.ops.planaria, name)
+            monkeypatch.setattr(torch.ops.planaria, name, lambda *a, _r=real_op: fused.append(a[0].shape[0]) or _r(*a))
+    packed = model.lm_head_packed is not None
+    n = lin.max_rows(model.lm_head_weight().dtype, packed) + 4  # a batch past the skinny kernel's rows
     prompts = [[(7 * i + j) % 200 + 5 for j in range(6 + i % 5)] for i in range(n)]
     plain = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
     assert rows and max(rows) == n
-    assert not cpu_ext.available() or max(fused) == n
+    # (a packed lm_head of one chunk, a vocab of at most packing.LM_HEAD_CHUNK rows: the logits whole)
+    assert not cpu_ext.available() or (packed and len(model.lm_head_packed) == 1) or max(fused) == n
     rows.clear()
     asked = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=1))
     assert rows == []  # logprobs need the logits

@@ -368,7 +368,7 @@ def test_greedy_tokens_take_the_fused_kernel_past_the_skinny_rows(monkeypatch):
 def _onednn_bf16():
     from planaria.engine.models import packing
 
-    if not packing._onednn_bf16_packing():
+    if not packing._onednn_packing(torch.bfloat16):
         pytest.skip("no oneDNN bf16 weight packing in this torch on this CPU (AVX2-only hosts)")
     return packing
 
@@ -530,7 +530,7 @@ def test_packed_linear_is_the_onednn_call():
     exactly torch.ops.mkldnn._linear_pointwise's result, with and without a bias."""
     from planaria.engine.models import packing
 
-    if not packing._onednn_bf16_packing():
+    if not packing._onednn_packing(torch.bfloat16):
         pytest.skip("no oneDNN bf16 weight packing in this torch on this CPU (AVX2-only hosts)")
     cpu_ext.build()
     assert cpu_ext.available(), cpu_ext.status()

@@ -1,22 +1,29 @@
-"""oneDNN-packed weights for bfloat16 linears on the CPU.
+"""oneDNN-packed weights for bfloat16 and float32 linears on the CPU.
 
-``F.linear`` in bfloat16 on a CPU re-lays its weight out for oneDNN's GEMM on every call;
-a weight packed once (``torch.ops.mkldnn._reorder_linear_weight``, what Inductor's
-freezing does) runs the same GEMM with the same results, bit for bit, 1.2-2x faster here
-(AMD EPYC with AVX512-BF16, SmolLM2's shapes: 2.2x at one token, 1.1-1.4x at 16-64). So
-``pack_linears(model)`` gives every bfloat16 ``Linear`` (and the LM head, tied or not, as
-chunks of vocab rows: ``pack_lm_head``) a packed copy that its forward uses (at a few
-rows, where the CPU has AVX512-BF16 and no AMX, the C++ kernel of kernels/linear.py reads
-the parameter instead); the parameters stay as they are, for weight swaps (which pack
-again: ``repack``), expert re-homing and the embedding. The copy costs the linears'
-weight bytes once more; the runner counts them in its weights before the memory profile
-sizes the KV cache. A MoE layer's experts are packed too, for the per-expert loop that
-decode at small batches takes (2.1x faster per expert GEMM), but only when the engine
-holds every expert (an expert-parallel rank's experts move at run time and are left
-alone) and the C++ kernels are not built: their fused MoE (kernels/csrc/fused_moe.cpp)
-replaces that loop and reads the parameters themselves. float32 stays unpacked: its
-packed GEMM rounds differently, and the float32 parity tests compare token for token.
-``PLANARIA_CPU_PACKED_LINEAR=0`` turns it off.
+``F.linear`` on a CPU re-lays its weight out for its GEMM on every call (bf16: oneDNN's;
+float32: MKL's, whose blocking suits square matrices, not a few rows); a weight packed
+once (``torch.ops.mkldnn._reorder_linear_weight``, what Inductor's freezing does) runs
+oneDNN's GEMM on it directly:
+
+- bfloat16: the same results, bit for bit, 1.2-2x faster (AMD EPYC with AVX512-BF16,
+  SmolLM2's shapes: 2.2x at one token, 1.1-1.4x at 16-64);
+- float32: 1.1-2.2x faster at 17-64 rows and about the same at prefill sizes (AMD EPYC
+  with AVX2 and no AVX-512, SmolLM2's and bench-moe's shapes); its sums run in another
+  order than MKL's, so results agree to float32 rounding (the float32 parity tests against
+  transformers still compare greedy tokens exactly).
+
+So ``pack_linears(model)`` gives every bfloat16 or float32 ``Linear`` (and the LM head,
+tied or not, as chunks of vocab rows: ``pack_lm_head``) a packed copy that its forward
+uses (at a few rows, where the CPU has the instructions, the C++ kernel of
+kernels/linear.py reads the parameter instead: ``max_rows``); the parameters stay as they
+are, for weight swaps (which pack again: ``repack``), expert re-homing and the embedding.
+The copy costs the linears' weight bytes once more; the runner counts them in its weights
+before the memory profile sizes the KV cache. A MoE layer's experts are packed too, for
+the per-expert loop that decode at small batches takes (2.1x faster per expert GEMM in
+bf16), but only when the engine holds every expert (an expert-parallel rank's experts
+move at run time and are left alone) and the C++ kernels are not built: their fused MoE
+(kernels/csrc/fused_moe.cpp) replaces that loop and reads the parameters themselves.
+float16 stays unpacked. ``PLANARIA_CPU_PACKED_LINEAR=0`` turns it off.
 
 A model built for the batch-invariant mode (``model.batch_invariant``) packs for its own
 kernel instead (kernels/linear.py ``pack_invariant``, bfloat16 where the CPU has
@@ -38,18 +45,18 @@ ENV = "PLANARIA_CPU_PACKED_LINEAR"
 
 
 def available(device: torch.device, dtype: torch.dtype) -> bool:
-    return (device.type == "cpu" and dtype == torch.bfloat16 and os.environ.get(ENV, "1") != "0"
-            and _onednn_bf16_packing())
+    return (device.type == "cpu" and dtype in (torch.bfloat16, torch.float32) and os.environ.get(ENV, "1") != "0"
+            and _onednn_packing(dtype))
 
 
 @functools.cache
-def _onednn_bf16_packing() -> bool:
-    """Whether this torch and CPU pack bfloat16 weights: oneDNN's bf16 path needs AVX512-BW/VL/DQ
+def _onednn_packing(dtype: torch.dtype) -> bool:
+    """Whether this torch and CPU pack ``dtype`` weights: oneDNN's bf16 path needs AVX512-BW/VL/DQ
     or AVX-NE-CONVERT (an AVX2-only CPU raises), so a tiny weight is packed once to find out."""
     if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
         return False
     try:
-        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=torch.bfloat16), None)
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=dtype), None)
     except RuntimeError:
         return False
     return True
@@ -73,7 +80,7 @@ def pack_lm_head(weight: torch.Tensor) -> list[torch.Tensor]:
 
 
 def pack_linears(model: torch.nn.Module, device: torch.device, dtype: torch.dtype, experts: bool = True) -> int:
-    """Pack every bfloat16 linear of ``model`` (modules with a ``packed`` attribute, the
+    """Pack every bfloat16 / float32 linear of ``model`` (modules with a ``packed`` attribute, the
     model's ``lm_head_packed``, and with ``experts`` each MoE layer's ``packed_experts``);
     returns the bytes the packed copies take (0 when off). A batch-invariant model: packed
     for its kernel (the module docstring) where it has one."""
