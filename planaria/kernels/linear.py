@@ -4,8 +4,8 @@ At a few rows a linear reads each weight once and uses it a few times, so its sp
 how fast it streams the weight; torch's GEMM (MKL / oneDNN) streams it at a fraction of
 what memory gives at one to a few rows (bench/README.md). ``torch.ops.planaria.
 skinny_linear`` (csrc/skinny_linear.cpp) reads each tile of four weight rows once and
-meets every row of x with it from L1. ``linear`` takes it for up to ``max_rows(dtype)``
-rows (``max_rows(dtype, packed)``) and F.linear (or the oneDNN-packed weight) otherwise:
+meets every row of x with it from L1. ``linear`` takes it for up to ``max_rows(dtype,
+packed)`` rows and F.linear (or the oneDNN-packed weight) otherwise:
 
 - float32 with AVX-512: up to 64 rows (1.0-2.4x torch's float32 GEMM at 1-64 rows;
   from about 16 rows both are bound by arithmetic, where this kernel comes closer to

@@ -37,6 +37,22 @@ namespace {
 
 using planaria_cpu::widen;
 
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+// for a scores pass working on the group of ``n`` keys at t0 (``group`` keys a group): the
+// next group's key rows, and this group's value rows for the pass after the softmax (the
+// slots are scattered over the cache: the hardware prefetcher cannot guess them)
+template <typename T>
+inline void prefetch_rows(const T* kp, const T* vp, int64_t slot_stride, int64_t off, int64_t row_bytes,
+                          const int64_t* slots, int64_t t0, int64_t group, int64_t n, int64_t ctx) {
+  for (int64_t t = t0 + group; t < std::min(ctx, t0 + 2 * group); ++t)
+    for (int64_t b = 0; b < row_bytes; b += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(kp + slots[t] * slot_stride + off) + b, _MM_HINT_T0);
+  for (int64_t t = t0; t < t0 + n; ++t)
+    for (int64_t b = 0; b < row_bytes; b += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(vp + slots[t] * slot_stride + off) + b, _MM_HINT_T1);
+}
+#endif
+
 #if defined(__AVX512F__)
 // lane j of the result = the sum of v[j]'s 16 lanes (a transpose-and-add tree: 45
 // instructions for 16 sums, where 16 separate reductions take about 160)
@@ -87,14 +103,7 @@ inline void scores_fast(const T* q, const T* kp, const T* vp, int64_t slot_strid
   const int64_t row_bytes = D * static_cast<int64_t>(sizeof(T));
   for (int64_t t0 = 0; t0 < ctx; t0 += 16) {
     const int n = static_cast<int>(std::min<int64_t>(16, ctx - t0));
-    // the next 16 keys' rows, and this group's value rows for the pass after the softmax
-    // (the slots are scattered over the cache: the hardware prefetcher cannot guess them)
-    for (int64_t t = t0 + 16; t < std::min(ctx, t0 + 32); ++t)
-      for (int64_t b = 0; b < row_bytes; b += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(kp + slots[t] * slot_stride + koff) + b, _MM_HINT_T0);
-    for (int64_t t = t0; t < t0 + n; ++t)
-      for (int64_t b = 0; b < row_bytes; b += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(vp + slots[t] * slot_stride + koff) + b, _MM_HINT_T1);
+    prefetch_rows(kp, vp, slot_stride, koff, row_bytes, slots, t0, 16, n, ctx);
     for (int j = 0; j < n; ++j) krow[j] = kp + slots[t0 + j] * slot_stride + koff;
     const __mmask16 m = planaria_cpu::tail_mask16(n);
     for (int64_t g = 0; g < G; ++g) {
@@ -211,13 +220,7 @@ inline void scores_avx2(const float* q, const float* kp, const float* vp, int64_
   const int64_t row_bytes = D * static_cast<int64_t>(sizeof(float));
   for (int64_t t0 = 0; t0 < ctx; t0 += 8) {
     const int n = static_cast<int>(std::min<int64_t>(8, ctx - t0));
-    // the next 8 keys' rows, and these tokens' value rows for the pass after the softmax
-    for (int64_t t = t0 + 8; t < std::min(ctx, t0 + 16); ++t)
-      for (int64_t b = 0; b < row_bytes; b += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(kp + slots[t] * slot_stride + koff) + b, _MM_HINT_T0);
-    for (int64_t t = t0; t < t0 + n; ++t)
-      for (int64_t b = 0; b < row_bytes; b += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(vp + slots[t] * slot_stride + koff) + b, _MM_HINT_T1);
+    prefetch_rows(kp, vp, slot_stride, koff, row_bytes, slots, t0, 8, n, ctx);
     for (int j = 0; j < n; ++j) krow[j] = kp + slots[t0 + j] * slot_stride + koff;
     const __m256i m = tail_mask8(n);
     for (int64_t g = 0; g < G; ++g) {
