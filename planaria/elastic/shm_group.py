@@ -11,11 +11,17 @@ phases, each closed by a barrier of sequence flags (kernels/csrc/shm_sync.cpp: r
 after the writes, acquire before the reads):
 
   A. every rank writes its tokens, publishes; waits for all;
-  B. every rank runs its local experts over every rank's tokens (one kernel call over all
-     of them, so each expert's weights stream once), writes each source's pair outputs,
+  B. every rank runs its share of the experts over every rank's tokens (one kernel call
+     over all of them, so each expert's weights stream once), writes each source's pair outputs,
      publishes; waits for all; then each rank sums its own tokens' pairs in k order in
      float32 (``moe_combine``, the same code as the one-engine kernel's, so a token gets
      the same bits wherever its experts ran).
+
+A rank's share is the experts it owns, or, when every rank maps the node's expert cache
+(each layer's every expert a view of one file in the node's page cache), the experts the
+round's load gives it (``assign_experts``), so no rank waits through a peer's heavier
+share: with skewed routing, and at one stream, where a token's experts sit on one rank a
+third of the time (4 experts, top-2, 2 ranks).
 
 A buffer is rewritten only after every rank has passed the barrier that follows its last
 read (tokens are read in B before the B barrier; outputs are read before the next A
@@ -189,6 +195,26 @@ def create_segment(epoch: int, size: int) -> str:
     return path
 
 
+_EXPERT_COST = 16  # what streaming an expert's weights costs, in pairs computed
+
+
+def assign_experts(pairs: list[int], owner: list[int], world: int) -> list[int]:
+    """Expert -> the rank that computes its pairs this round, given each expert's pair count
+    over every rank's tokens: the active experts, most pairs first (ties: lower id), each
+    to the rank with the least load so far (ties: the expert's owner, then the lower rank),
+    an expert's load being ``_EXPERT_COST`` plus its pairs (its weights are streamed once
+    whatever the pairs). An expert's pairs stay together (its weights are read by one
+    rank). Inactive experts keep their owners. Every rank computes the same answer from the
+    same counts."""
+    assign = list(owner)
+    load = [0] * world
+    for e in sorted((e for e, c in enumerate(pairs) if c), key=lambda e: (-pairs[e], e)):
+        best = min(range(world), key=lambda q: (load[q], q != owner[e], q))
+        assign[e] = best
+        load[best] += _EXPERT_COST + pairs[e]
+    return assign
+
+
 class ShmGroup:
     """One epoch's segment, mapped by one rank."""
 
@@ -224,6 +250,9 @@ class ShmGroup:
         self._abort_np = self.abort_flag.numpy()
         # pair (t, k) of a round -> its row in the outputs this rank reads (before the owner's offset)
         self._pair_base = (torch.arange(C).view(C, 1) * K + torch.arange(K).view(1, K)) + rank * C * K
+        self._x_own, self._ids_own = self.x[rank], self.ids[rank]
+        self._owner_cache: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.balanced_layers = 0  # MoE layers whose experts were shared out by load
         self.seq = 0
         self._ar_count = 0
         self.waiting_since: float | None = None
@@ -286,45 +315,61 @@ class ShmGroup:
 
     def moe(self, moe, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
             rank_of_expert: torch.Tensor) -> torch.Tensor:
-        """One MoE layer's experts across the group: x [T, H], weights/ids [T, K] -> [T, H]."""
+        """One MoE layer's experts across the group: x [T, H], weights/ids [T, K] -> [T, H].
+
+        Who computes a pair: when every rank maps the same node expert file (every rank's
+        ``moe.node_key``, published with its token count, is the same and non-zero), the
+        experts the round's pairs route to are shared out by load (``assign_experts``), so
+        the ranks finish together whatever the routing (at one stream a token's two
+        experts sit on one rank a third of the time, and its peer used to wait through
+        both); otherwise each expert's owner (``rank_of_expert``) computes its pairs."""
         T, K = ids.shape
         W, r, C = self.world_size, self.rank, self.layout.capacity
         if K != self.layout.top_k or x.shape[1] != self.layout.hidden or x.dtype != self.layout.dtype:
             raise ElasticError("shared MoE: the layer does not match the segment's layout")
         out = torch.empty_like(x)
         w32 = weights.float()
-        owner_rows = rank_of_expert[ids] * (W * C * K)  # [T, K]: the owner's block of outputs
         hdr = self._hdr_np
         hdr[r, 0] = T
-        rounds, i = 1, 0
+        hdr[r, 1] = getattr(moe, "node_key", 0)
+        rounds, i, balanced = 1, 0, False
+        totals: list[int] = []
         while i < rounds:
             lo = i * C
             n = max(0, min(C, T - lo))
             if n:
-                self.x[r, :n].copy_(x[lo:lo + n])
-                self.ids[r, :n].copy_(ids[lo:lo + n])
+                self._x_own[:n].copy_(x[lo:lo + n])
+                self._ids_own[:n].copy_(ids[lo:lo + n])
             self._phase()  # A: every rank's tokens of this round are in
             if i == 0:
                 totals = hdr[:, 0].tolist()
                 if any(not 0 <= t_ <= 1 << 30 for t_ in totals):
                     raise ShmCollectiveError(f"shared MoE: a peer's token count is out of range: {totals}")
                 rounds = max(1, max(-(-t_ // C) for t_ in totals))
+                keys = hdr[:, 1].tolist()
+                balanced = (keys[0] != 0 and all(k_ == keys[0] for k_ in keys)
+                            and getattr(moe, "node_w13", None) is not None)
             counts = [max(0, min(C, t_ - lo)) for t_ in totals]
-            self._compute(moe, counts)
+            owner = self._compute(moe, counts, sum(totals), rank_of_expert, balanced)
             self._phase()  # B: every rank's outputs for every source are in
             if n:
-                src = owner_rows[lo:lo + n] + self._pair_base[:n]
+                src = owner.index_select(0, ids[lo:lo + n].reshape(-1)).view(n, K) + self._pair_base[:n]
                 torch.ops.planaria.moe_combine(self._rows, src, w32[lo:lo + n].contiguous(), out[lo:lo + n])
             i += 1
+        if balanced:
+            self.balanced_layers += 1
         return out
 
-    def _compute(self, moe, counts: list[int]) -> None:
-        """This rank's experts over every source's tokens of the round; each source's pair
-        outputs into y[this rank, source]."""
-        r, K, H = self.rank, self.layout.top_k, self.layout.hidden
+    def _compute(self, moe, counts: list[int], total_tokens: int, rank_of_expert: torch.Tensor,
+                 balanced: bool) -> torch.Tensor:
+        """This rank's pairs of the round (every source's tokens), each source's pair outputs
+        into y[this rank, source]. Returns, per expert, the first row of the outputs block
+        of the rank that computed its pairs (what the sources' combine reads)."""
+        r, K, H, W, C = self.rank, self.layout.top_k, self.layout.hidden, self.world_size, self.layout.capacity
         srcs = [s for s, c in enumerate(counts) if c]
+        block = W * C * K
         if not srcs:
-            return
+            return self._owner_rows(rank_of_expert, block)
         if len(srcs) == 1:
             s = srcs[0]
             xs, ids_s = self.x[s, :counts[s]], self.ids[s, :counts[s]]
@@ -332,17 +377,36 @@ class ShmGroup:
             xs = torch.cat([self.x[s, :counts[s]] for s in srcs])
             ids_s = torch.cat([self.ids[s, :counts[s]] for s in srcs])
         total = xs.shape[0]
-        n_local, n_all = moe.w13.shape[0], moe.num_experts
+        n_all = moe.num_experts
+        if balanced:
+            flat = ids_s.reshape(-1)
+            if int(flat.min()) < 0 or int(flat.max()) >= n_all:
+                raise ShmCollectiveError("shared MoE: a peer's expert ids are out of range")
+            assign = assign_experts(torch.bincount(flat, minlength=n_all).tolist(), rank_of_expert.tolist(), W)
+            mine = torch.tensor([e if a == r else -1 for e, a in enumerate(assign)], dtype=torch.long)
+            w13, w2, ids_c, offset = moe.node_w13, moe.node_w2, mine.index_select(0, flat).view(total, K), 0
+            owner = torch.tensor(assign, dtype=torch.long) * block
+            # the one engine's rule at the same load: every expert here, all the pairs
+            num_pairs = total_tokens * K
+        else:
+            w13, w2, ids_c, offset = moe.w13, moe.w2, ids_s, moe.expert_start
+            owner = self._owner_rows(rank_of_expert, block)
+            # the pairs these experts get, on average: the one engine's rule at the same load
+            num_pairs = total_tokens * K * w13.shape[0] // max(1, n_all)
         direct = len(srcs) == 1
         y = self.y[r, srcs[0], :total] if direct else torch.empty(total, K, H, dtype=torch.float32)
-        # the pairs these experts get, on average: the one engine's rule at the same load
-        expert_pair_outputs(xs, moe.w13, moe.w2, ids_s, moe.expert_start, y, getattr(moe, "invariant", False),
-                            total * K * n_local // max(1, n_all))
+        expert_pair_outputs(xs, w13, w2, ids_c, offset, y, getattr(moe, "invariant", False), num_pairs)
         if not direct:
             off = 0
             for s in srcs:
                 self.y[r, s, :counts[s]].copy_(y[off:off + counts[s]])
                 off += counts[s]
+        return owner
+
+    def _owner_rows(self, rank_of_expert: torch.Tensor, block: int) -> torch.Tensor:
+        if self._owner_cache is None or self._owner_cache[0] is not rank_of_expert:
+            self._owner_cache = (rank_of_expert, rank_of_expert * block)
+        return self._owner_cache[1]
 
     def close(self) -> None:
         """Leave the group: peers still waiting in it stop waiting (abort)."""

@@ -22,7 +22,7 @@ from planaria.engine.errors import KVCacheTooSmallError, RequestExecutionError
 from planaria.engine.memory import MemoryProfile, device_memory_bytes, measure_peak, tune_cpu_allocator
 from planaria.engine.messages import Logprobs
 from planaria.engine.models import packing
-from planaria.engine.models.loader import load_model
+from planaria.engine.models.loader import load_model, refresh_node_experts
 from planaria.engine.request import Request
 from planaria.engine.sampler import Sampler
 from planaria.engine.sampling_metadata import SamplingMetadata
@@ -313,6 +313,7 @@ class ModelRunner:
                 p.copy_(tensors[name])
         packing.repack(self.model)
         self._model_dir = model_dir
+        refresh_node_experts(self.model, model_dir, self.spec, self.dtype, self.device)
 
     def reload_experts(self, expert_range: tuple[int, int]) -> int:
         """Re-home experts: load [start, end) of every MoE layer from the checkpoint the

@@ -98,11 +98,15 @@ def _rank_main(rank, model, world_sizes, port, result_q):
         if steps == 4 and len(world_sizes) > 1 and rank < w0:
             pending = spec(1, rank, world_sizes[1])
     got["transport"] = ep.group.transport if ep.group is not None else transports[-1]
+    shm = ep.group.shm if ep.group is not None else None
+    got["balanced"] = shm.balanced_layers if shm is not None else 0
     result_q.put((rank, got))
     del store
 
 
-def _run(model, world_sizes, transport="shm"):
+def _run(model, world_sizes, transport="shm", balanced=None):
+    """Every rank's outputs merged; ``balanced``: whether the ranks shared each layer's
+    experts out by load (None: not checked)."""
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     port = _free_port()
@@ -125,7 +129,10 @@ def _run(model, world_sizes, transport="shm"):
     for got in results.values():
         merged.update(got)
     assert {got["transport"] for got in results.values()} == {transport}
-    del merged["transport"]
+    if balanced is not None:
+        assert all(bool(got["balanced"]) == balanced for got in results.values()), \
+            [got["balanced"] for got in results.values()]
+    del merged["transport"], merged["balanced"]
     return merged
 
 
@@ -158,9 +165,19 @@ def _assert_same(got: dict, reference: dict) -> None:
 
 
 def test_ep_two_ranks_equals_single_engine(tiny_moe, reference):
-    got = _run(tiny_moe, [2])  # one node: the shared-memory transport
+    # one node: the shared-memory transport, each layer's experts shared out by load (both
+    # ranks map the node's expert cache)
+    got = _run(tiny_moe, [2], balanced=True)
     _assert_same(got, reference)
     if _invariant():  # every pair combined by the one-engine code: the same bits
+        assert got == reference
+
+
+def test_ep_two_ranks_owners_compute_without_the_expert_cache(tiny_moe, reference, monkeypatch):
+    monkeypatch.setenv("PLANARIA_EXPERT_CACHE", "0")  # experts read from the checkpoint: no node views
+    got = _run(tiny_moe, [2], balanced=False)
+    _assert_same(got, reference)
+    if _invariant():
         assert got == reference
 
 

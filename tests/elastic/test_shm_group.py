@@ -156,3 +156,90 @@ def test_gloo_is_kept_when_asked(monkeypatch):
     assert not shm_group.wanted()
     monkeypatch.setenv(shm_group.ENV_TRANSPORT, "auto")
     assert shm_group.wanted()
+
+
+def test_assign_experts_shares_a_layers_experts_out_by_load():
+    owner = [0, 0, 1, 1]
+    # one token's two experts both on rank 0: one goes to rank 1
+    assert shm_group.assign_experts([1, 1, 0, 0], owner, 2) == [0, 1, 1, 1]
+    # already balanced: the owners keep them
+    assert shm_group.assign_experts([1, 0, 1, 0], owner, 2) == [0, 0, 1, 1]
+    # a heavy expert alone on one rank, the light ones on the other
+    assert shm_group.assign_experts([50, 1, 1, 1], owner, 2) == [0, 1, 1, 1]
+    # nothing active: the owners (nothing is computed)
+    assert shm_group.assign_experts([0, 0, 0, 0], owner, 2) == owner
+    # every active expert to one rank, each rank some, with three ranks
+    got = shm_group.assign_experts([3, 3, 3, 3, 3, 3], [0, 0, 1, 1, 2, 2], 3)
+    assert sorted(got.count(q) for q in range(3)) == [2, 2, 2]
+
+
+_E, _H, _I, _K = 6, 32, 24, 2
+
+
+def _experts():
+    g = torch.Generator().manual_seed(7)
+    return (torch.randn(_E, 2 * _I, _H, generator=g) * 0.2, torch.randn(_E, _H, _I, generator=g) * 0.2)
+
+
+def _tokens(rank: int, layer: int, n: int):
+    g = torch.Generator().manual_seed(100 * rank + layer)
+    x = torch.randn(n, _H, generator=g)
+    ids = torch.stack([torch.randperm(_E, generator=g)[:_K] for _ in range(n)]) if n else \
+        torch.empty(0, _K, dtype=torch.long)
+    if layer % 2:  # skewed: every token of every rank routed to experts 0 and 1 (rank 0's)
+        ids = torch.tensor([[0, 1]] * n, dtype=torch.long).view(n, _K)
+    return x, torch.rand(n, _K, generator=g), ids
+
+
+def _moe_rank(path, rank, world, peers_q, q, node_keys, counts):
+    import types
+
+    peers = peers_q.get(timeout=60)
+    g = ShmGroup(path, rank, Layout(world, 4, _H, _K, torch.float32), peers, TIMEOUT_S)
+    w13, w2 = _experts()
+    owner = torch.tensor([e * world // _E for e in range(_E)])  # contiguous shares
+    mine = (owner == rank).nonzero().view(-1).tolist()
+    lo, hi = mine[0], mine[-1] + 1
+    moe = types.SimpleNamespace(w13=w13[lo:hi].contiguous(), w2=w2[lo:hi].contiguous(), expert_start=lo,
+                                num_experts=_E, node_w13=w13, node_w2=w2, node_key=node_keys[rank])
+    outs = []
+    for layer in range(4):  # rounds of 4 tokens: counts[rank] = 6 takes two
+        x, w, ids = _tokens(rank, layer, counts[rank])
+        outs.append(g.moe(moe, x, w, ids, owner).numpy())  # by value: the process exits next
+    q.put((rank, outs, g.balanced_layers))
+
+
+@pytest.mark.parametrize("node_keys", [(5, 5, 5), (5, 0, 5), (5, 6, 5)], ids=["balanced", "no-views", "other-file"])
+def test_moe_pairs_give_the_one_engine_bits_wherever_they_are_computed(node_keys):
+    from planaria.kernels.moe import grouped_expert_mlp
+
+    world, counts = 3, [1, 6, 0]
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    path = shm_group.create_segment(0, Layout(world, 4, _H, _K, torch.float32).size())
+    readers = [ctx.Queue() for _ in range(world)]
+    procs = [ctx.Process(target=_moe_rank, args=(path, r, world, readers[r], q, node_keys, counts))
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    try:
+        peers = [(p.pid, shm_group.process_start(p.pid)) for p in procs]
+        for rq in readers:
+            rq.put(peers)
+        results = {}
+        for _ in range(world):
+            rank, outs, balanced = q.get(timeout=120)
+            results[rank] = (outs, balanced)
+    finally:
+        for p in procs:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+        os.unlink(path)
+    w13, w2 = _experts()
+    for rank, (outs, balanced) in results.items():
+        assert balanced == (4 if len(set(node_keys)) == 1 else 0)
+        for layer, got in enumerate(outs):
+            x, w, ids = _tokens(rank, layer, counts[rank])
+            want = grouped_expert_mlp(x, w13, w2, w, ids)  # one engine: every expert here
+            assert torch.equal(torch.from_numpy(got), want), (rank, layer)

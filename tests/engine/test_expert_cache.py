@@ -14,7 +14,7 @@ import torch
 
 from planaria.engine.errors import ModelLoadError
 from planaria.engine.models import expert_cache
-from planaria.engine.models.loader import load_expert_weights, load_model
+from planaria.engine.models.loader import load_expert_weights, load_model, refresh_node_experts
 
 
 @pytest.fixture
@@ -54,6 +54,41 @@ def test_experts_are_views_of_one_file_and_equal_the_checkpoints(tiny_moe, cache
     assert w13.storage_offset() == 4 * full13[0].numel() and w13.shape[0] == 4
     assert torch.equal(w13, full13[4:8])
     assert again == sum(t.numel() * t.element_size() for pair in _experts(model) for t in pair)
+
+
+def test_a_rank_maps_every_expert_of_the_node_and_follows_a_weight_swap(tiny_moe, tmp_path, cache_dir,
+                                                                       monkeypatch):
+    import shutil
+
+    model, _cfg, spec, _ = _load(tiny_moe, (2, 6))
+    plain = _load(tiny_moe, None)[0]  # one engine: every expert, no node views
+    assert all(layer.mlp.node_w13 is None for layer in plain.layers if hasattr(layer.mlp, "w13"))
+    keys = set()
+    for layer, ref in zip(model.layers, plain.layers):
+        moe = layer.mlp
+        if not hasattr(moe, "w13"):
+            continue
+        # all experts, equal to the checkpoint's, in the same mapping as the rank's own
+        assert torch.equal(moe.node_w13, ref.mlp.w13) and torch.equal(moe.node_w2, ref.mlp.w2)
+        assert moe.node_w13.untyped_storage().data_ptr() == moe.w13.untyped_storage().data_ptr()
+        keys.add(moe.node_key)
+    assert len(keys) == 1 and 0 not in keys
+    # a weight swap from another checkpoint: the views follow it (the old file has old experts)
+    other = tmp_path / "other"
+    shutil.copytree(tiny_moe, other)
+    for f in other.glob("*.safetensors"):
+        os.utime(f, ns=(time.time_ns(), time.time_ns() + 10**9))
+    _load(str(other), (2, 6))  # what read_weights does: builds the other file
+    refresh_node_experts(model, str(other), spec, torch.bfloat16, torch.device("cpu"))
+    new_keys = {layer.mlp.node_key for layer in model.layers if hasattr(layer.mlp, "w13")}
+    assert len(new_keys) == 1 and new_keys != keys and 0 not in new_keys
+    # no expert cache: no views (the ranks' owners compute their own experts)
+    monkeypatch.setenv(expert_cache.SWITCH_ENV, "0")
+    off = _load(tiny_moe, (2, 6))[0]
+    assert all(layer.mlp.node_w13 is None and layer.mlp.node_key == 0
+               for layer in off.layers if hasattr(layer.mlp, "w13"))
+    refresh_node_experts(off, tiny_moe, spec, torch.bfloat16, torch.device("cpu"))  # nothing to follow
+    assert all(layer.mlp.node_w13 is None for layer in off.layers if hasattr(layer.mlp, "w13"))
 
 
 def test_a_changed_checkpoint_gets_a_new_file(tiny_moe, tmp_path, cache_dir):

@@ -153,6 +153,14 @@ class SparseMoE(nn.Module):
         # oneDNN-packed (w13[e], w2[e]) per local expert, when all experts are here and the
         # weights are bf16 on the CPU (engine/models/packing.py); the expert loop uses them
         self.packed_experts: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+        # Every expert of the layer, [E, ...] views of the node's expert cache file
+        # (engine/models/loader.py ``attach_node_experts``), where an expert-parallel rank
+        # maps it: the node's page cache holds them once for all its ranks, so ranks on one
+        # node can share a layer's experts out by load (elastic/shm_group.py). ``node_key``
+        # names the file's contents (0: no views); ranks balance only when all keys agree.
+        self.node_w13: torch.Tensor | None = None
+        self.node_w2: torch.Tensor | None = None
+        self.node_key = 0
 
     def forward(self, x):  # x: [T, H]
         weights, ids = route(self.router(x), self.top_k, self.renormalize)

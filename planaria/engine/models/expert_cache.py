@@ -76,7 +76,7 @@ class ExpertCache:
     """The mapped file: ``view(layer, start, end)`` -> (w13, w2) of experts [start, end)."""
 
     def __init__(self, path: Path, key: str) -> None:
-        self.path = path
+        self.path, self.key = path, key
         try:
             self._file = safe_open(str(path), "pt")
         except Exception as exc:  # safetensors raises its own types for a bad file
@@ -88,6 +88,11 @@ class ExpertCache:
     def view(self, layer: int, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         w13, w2 = (self._file.get_tensor(n) for n in tensor_names(layer))
         return w13[start:end], w2[start:end]
+
+    def contents_id(self) -> int:
+        """A positive 60-bit number naming the file's contents (its key): what the ranks of a
+        node compare before computing each other's experts."""
+        return int(self.key[:15], 16) | 1
 
 
 def open_or_build(model_dir: str | Path, dtype: torch.dtype, sparse_layers: list[int],

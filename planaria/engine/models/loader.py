@@ -274,6 +274,8 @@ def load_model(model_dir: str, dtype: torch.dtype, device: torch.device, max_pos
             _assign_cached_experts(model, cache, rd, i, experts, params, dtype, device)
         if progress:
             progress(i + 1, spec.num_layers)
+    if cache is not None:
+        attach_node_experts(model, cache, spec, dtype, device)
     missing = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
     if missing:
         raise ModelLoadError(f"parameters not loaded from the checkpoint: {missing[:5]}")
@@ -304,7 +306,35 @@ def load_expert_weights(model, model_dir: str, spec: ModelSpec, dtype, device, e
             for name, pieces in _expert_plan(rd, spec, i, start, end).items():
                 _assign(model, name, _materialize(rd, name, shapes[name], pieces, dtype, device))
         moe.expert_start, moe.expert_end = start, end
+    attach_node_experts(model, cache, spec, dtype, device)
     return rd.num_bytes
+
+
+def refresh_node_experts(model, model_dir: str, spec: ModelSpec, dtype, device) -> None:
+    """After a weight swap copied ``model_dir``'s weights into the parameters: a rank that
+    had views of the node's experts takes them from ``model_dir``'s cache (the old file
+    holds the old experts); a model without them (one engine) is left alone."""
+    if any(getattr(layer.mlp, "node_key", 0) for layer in model.layers):
+        attach_node_experts(model, _expert_cache(model_dir, spec, dtype), spec, dtype, device)
+
+
+def attach_node_experts(model, cache: expert_cache.ExpertCache | None, spec: ModelSpec, dtype, device) -> None:
+    """Give every MoE layer of an expert-parallel rank views of all its experts in the
+    node's expert cache (``SparseMoE.node_w13``/``node_w2``/``node_key``), or take them away
+    (``cache`` None, another device or dtype: views only, never a copy). They cost no memory
+    of their own: the file's pages are the node's page cache, which the rank's own experts
+    (a range of the same views) already share."""
+    usable = cache is not None and device.type == "cpu"
+    for i, layer in enumerate(model.layers):
+        moe = layer.mlp
+        if i not in spec.sparse_layers:
+            continue
+        moe.node_w13 = moe.node_w2 = None
+        moe.node_key = 0
+        if usable:
+            w13, w2 = cache.view(i, 0, spec.num_experts)
+            if w13.dtype == dtype and w2.dtype == dtype and w13.is_contiguous() and w2.is_contiguous():
+                moe.node_w13, moe.node_w2, moe.node_key = w13, w2, cache.contents_id()
 
 
 def _expert_cache(model_dir: str, spec: ModelSpec, dtype) -> expert_cache.ExpertCache | None:
