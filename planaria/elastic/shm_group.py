@@ -248,9 +248,9 @@ class ShmGroup:
         self._rows = self.y.view(W * W * C * K, H)
         self._hdr_np = self.hdr.numpy()  # numpy views: an element read or write in 0.1 us, not 2
         self._abort_np = self.abort_flag.numpy()
-        # pair (t, k) of a round -> its row in the outputs this rank reads (before the owner's offset)
-        self._pair_base = (torch.arange(C).view(C, 1) * K + torch.arange(K).view(1, K)) + rank * C * K
-        self._x_own, self._ids_own = self.x[rank], self.ids[rank]
+        self._x_of, self._ids_of = list(self.x.unbind(0)), list(self.ids.unbind(0))  # per source
+        self._x_own, self._ids_own = self._x_of[rank], self._ids_of[rank]
+        self._y_own = list(self.y[rank].unbind(0))  # this rank's outputs, per source
         self._owner_cache: tuple[torch.Tensor, torch.Tensor] | None = None
         self.balanced_layers = 0  # MoE layers whose experts were shared out by load
         self.seq = 0
@@ -328,7 +328,8 @@ class ShmGroup:
         if K != self.layout.top_k or x.shape[1] != self.layout.hidden or x.dtype != self.layout.dtype:
             raise ElasticError("shared MoE: the layer does not match the segment's layout")
         out = torch.empty_like(x)
-        w32 = weights.float()
+        w32 = weights.float().contiguous()
+        ids = ids.contiguous()
         hdr = self._hdr_np
         hdr[r, 0] = T
         hdr[r, 1] = getattr(moe, "node_key", 0)
@@ -337,9 +338,10 @@ class ShmGroup:
         while i < rounds:
             lo = i * C
             n = max(0, min(C, T - lo))
+            whole = n == T  # one round: no slices (each costs microseconds, 30 layers a step)
             if n:
-                self._x_own[:n].copy_(x[lo:lo + n])
-                self._ids_own[:n].copy_(ids[lo:lo + n])
+                self._x_own[:n].copy_(x if whole else x[lo:lo + n])
+                self._ids_own[:n].copy_(ids if whole else ids[lo:lo + n])
             self._phase()  # A: every rank's tokens of this round are in
             if i == 0:
                 totals = hdr[:, 0].tolist()
@@ -352,9 +354,11 @@ class ShmGroup:
             counts = [max(0, min(C, t_ - lo)) for t_ in totals]
             owner = self._compute(moe, counts, sum(totals), rank_of_expert, balanced)
             self._phase()  # B: every rank's outputs for every source are in
-            if n:
-                src = owner.index_select(0, ids[lo:lo + n].reshape(-1)).view(n, K) + self._pair_base[:n]
-                torch.ops.planaria.moe_combine(self._rows, src, w32[lo:lo + n].contiguous(), out[lo:lo + n])
+            if whole:
+                torch.ops.planaria.moe_combine_routed(self._rows, ids, owner, r * C * K, w32, out)
+            elif n:
+                torch.ops.planaria.moe_combine_routed(self._rows, ids[lo:lo + n], owner, r * C * K,
+                                                      w32[lo:lo + n], out[lo:lo + n])
             i += 1
         if balanced:
             self.balanced_layers += 1
@@ -372,20 +376,18 @@ class ShmGroup:
             return self._owner_rows(rank_of_expert, block)
         if len(srcs) == 1:
             s = srcs[0]
-            xs, ids_s = self.x[s, :counts[s]], self.ids[s, :counts[s]]
+            xs, ids_s = self._x_of[s][:counts[s]], self._ids_of[s][:counts[s]]
         else:
-            xs = torch.cat([self.x[s, :counts[s]] for s in srcs])
-            ids_s = torch.cat([self.ids[s, :counts[s]] for s in srcs])
+            xs = torch.cat([self._x_of[s][:counts[s]] for s in srcs])
+            ids_s = torch.cat([self._ids_of[s][:counts[s]] for s in srcs])
         total = xs.shape[0]
         n_all = moe.num_experts
         if balanced:
-            flat = ids_s.reshape(-1)
-            if int(flat.min()) < 0 or int(flat.max()) >= n_all:
-                raise ShmCollectiveError("shared MoE: a peer's expert ids are out of range")
-            assign = assign_experts(torch.bincount(flat, minlength=n_all).tolist(), rank_of_expert.tolist(), W)
-            mine = torch.tensor([e if a == r else -1 for e, a in enumerate(assign)], dtype=torch.long)
-            w13, w2, ids_c, offset = moe.node_w13, moe.node_w2, mine.index_select(0, flat).view(total, K), 0
-            owner = torch.tensor(assign, dtype=torch.long) * block
+            try:  # assign_experts in C++, and this rank's pairs: the others' expert ids set to -1
+                ids_c, owner = torch.ops.planaria.moe_share(ids_s, rank_of_expert, W, r, block, _EXPERT_COST)
+            except RuntimeError as exc:  # a peer's ids out of range
+                raise ShmCollectiveError(f"shared MoE: {exc}") from exc
+            w13, w2, offset = moe.node_w13, moe.node_w2, 0
             # the one engine's rule at the same load: every expert here, all the pairs
             num_pairs = total_tokens * K
         else:
@@ -394,7 +396,7 @@ class ShmGroup:
             # the pairs these experts get, on average: the one engine's rule at the same load
             num_pairs = total_tokens * K * w13.shape[0] // max(1, n_all)
         direct = len(srcs) == 1
-        y = self.y[r, srcs[0], :total] if direct else torch.empty(total, K, H, dtype=torch.float32)
+        y = self._y_own[srcs[0]][:total] if direct else torch.empty(total, K, H, dtype=torch.float32)
         expert_pair_outputs(xs, w13, w2, ids_c, offset, y, getattr(moe, "invariant", False), num_pairs)
         if not direct:
             off = 0

@@ -13,7 +13,9 @@ attention read from the paged KV cache in place; ``torch.ops.planaria.fused_moe`
 (csrc/fused_moe.cpp), the MoE expert MLP for small batches, streaming each expert's
 weights once for all its tokens (AVX512-BF16's dot instruction where the CPU has it), and
 its two halves for expert parallelism, ``fused_moe_pairs`` (each pair's output, unweighted)
-and ``moe_combine`` (the weighted sum in k order, the same code as fused_moe's);
+and ``moe_combine`` (the weighted sum in k order, the same code as fused_moe's;
+``moe_combine_routed`` finds each pair's row in a shared segment itself), and
+``moe_share``, which shares a layer's experts out among the ranks of a node by load;
 ``torch.ops.planaria.rms_norm`` (csrc/rms_norm.cpp), RMSNorm in one op;
 ``torch.ops.planaria.argmax_rows`` (csrc/argmax.cpp), greedy sampling's argmax;
 ``torch.ops.planaria.skinny_linear`` (csrc/skinny_linear.cpp), linears at a few rows;
@@ -45,7 +47,7 @@ SRC_DIR = Path(__file__).resolve().parent / "csrc"
 EXT_DIR = Path(__file__).resolve().parent / "_ext"
 _BUILD_RECIPE = "2: -ffast-math compile only"  # change it when build() changes
 OPS = ("argmax_rows", "decode_attention", "fused_moe", "fused_moe_pairs", "invariant_linear", "linear_argmax",
-       "moe_combine", "packed_linear", "packed_linear_argmax", "packed_linear_chunked", "rms_norm", "shm_publish",
+       "moe_combine", "moe_combine_routed", "moe_share", "packed_linear", "packed_linear_argmax", "packed_linear_chunked", "rms_norm", "shm_publish",
        "shm_wait_all", "skinny_linear")
 _state: dict[str, object] = {}
 # PLANARIA_CPU_KERNELS, read once: ``available()`` runs a few hundred times per forward,

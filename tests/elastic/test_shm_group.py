@@ -243,3 +243,23 @@ def test_moe_pairs_give_the_one_engine_bits_wherever_they_are_computed(node_keys
             x, w, ids = _tokens(rank, layer, counts[rank])
             want = grouped_expert_mlp(x, w13, w2, w, ids)  # one engine: every expert here
             assert torch.equal(torch.from_numpy(got), want), (rank, layer)
+
+
+def test_the_kernels_share_out_experts_as_assign_experts_does():
+    g = torch.Generator().manual_seed(3)
+    for trial in range(200):
+        world = 1 + trial % 4
+        E = world * (1 + trial % 5)
+        owner = torch.tensor([e * world // E for e in range(E)])
+        n = int(torch.randint(0, 40, (1,), generator=g))
+        ids = torch.randint(0, E, (n, 2), generator=g)
+        if trial % 3 == 0:  # skewed
+            ids = ids % max(1, E // 3)
+        pairs = torch.bincount(ids.view(-1), minlength=E).tolist()
+        want = shm_group.assign_experts(pairs, owner.tolist(), world)
+        for rank in range(world):
+            mine, rows = torch.ops.planaria.moe_share(ids, owner, world, rank, 1000, shm_group._EXPERT_COST)
+            assert rows.tolist() == [a * 1000 for a in want]
+            assert mine.tolist() == [[e if want[e] == rank else -1 for e in row] for row in ids.tolist()]
+    with pytest.raises(RuntimeError, match="out of range"):  # a peer's ids are checked
+        torch.ops.planaria.moe_share(torch.tensor([[0, 9]]), torch.tensor([0, 1]), 2, 0, 10, 16)

@@ -27,6 +27,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <tuple>
 #include <vector>
 
 namespace {
@@ -250,10 +251,10 @@ void fused_moe_pairs(const at::Tensor& x, const at::Tensor& w13, const at::Tenso
 // out [T, H] = sum_k topk_weights[t, k] * rows[src[t, k]] in k order (src -1: skipped),
 // rows [N, H] float32: the pairs' outputs wherever they were computed.
 template <typename T>
-void combine_kernel(const at::Tensor& rows, const at::Tensor& src, const at::Tensor& w, at::Tensor& out) {
-  const int64_t T_ = src.size(0), K = src.size(1), H = rows.size(1), N = rows.size(0);
+void combine_kernel(const at::Tensor& rows, const int64_t* sp, int64_t T_, int64_t K, const at::Tensor& w,
+                    at::Tensor& out) {
+  const int64_t H = rows.size(1), N = rows.size(0);
   const float* rp = rows.data_ptr<float>();
-  const int64_t* sp = src.data_ptr<int64_t>();
   for (int64_t i = 0; i < T_ * K; ++i) TORCH_CHECK(sp[i] >= -1 && sp[i] < N, "moe_combine: src out of range");
   const float* wp = w.data_ptr<float>();
   T* op = out.data_ptr<T>();
@@ -266,20 +267,88 @@ void combine_kernel(const at::Tensor& rows, const at::Tensor& src, const at::Ten
   });
 }
 
-void moe_combine(const at::Tensor& rows, const at::Tensor& src, const at::Tensor& topk_weights, at::Tensor out) {
-  TORCH_CHECK(rows.dim() == 2 && src.dim() == 2 && topk_weights.sizes() == src.sizes() && out.dim() == 2 &&
-                  out.size(0) == src.size(0) && out.size(1) == rows.size(1),
+void combine_checked(const at::Tensor& rows, const int64_t* sp, int64_t T_, int64_t K, const at::Tensor& topk_weights,
+                     at::Tensor& out) {
+  TORCH_CHECK(rows.dim() == 2 && topk_weights.dim() == 2 && topk_weights.size(0) == T_ && topk_weights.size(1) == K &&
+                  out.dim() == 2 && out.size(0) == T_ && out.size(1) == rows.size(1),
               "moe_combine: rows [N, H], src [T, K], topk_weights [T, K], out [T, H]");
-  TORCH_CHECK(rows.is_contiguous() && src.is_contiguous() && topk_weights.is_contiguous() && out.is_contiguous(),
+  TORCH_CHECK(rows.is_contiguous() && topk_weights.is_contiguous() && out.is_contiguous(),
               "moe_combine: contiguous tensors only");
-  TORCH_CHECK(rows.scalar_type() == at::kFloat && topk_weights.scalar_type() == at::kFloat &&
-                  src.scalar_type() == at::kLong, "moe_combine: rows and weights float32, src int64");
+  TORCH_CHECK(rows.scalar_type() == at::kFloat && topk_weights.scalar_type() == at::kFloat,
+              "moe_combine: rows and weights float32");
   switch (out.scalar_type()) {
-    case at::kBFloat16: combine_kernel<c10::BFloat16>(rows, src, topk_weights, out); break;
-    case at::kHalf: combine_kernel<c10::Half>(rows, src, topk_weights, out); break;
-    case at::kFloat: combine_kernel<float>(rows, src, topk_weights, out); break;
+    case at::kBFloat16: combine_kernel<c10::BFloat16>(rows, sp, T_, K, topk_weights, out); break;
+    case at::kHalf: combine_kernel<c10::Half>(rows, sp, T_, K, topk_weights, out); break;
+    case at::kFloat: combine_kernel<float>(rows, sp, T_, K, topk_weights, out); break;
     default: TORCH_CHECK(false, "moe_combine: float32, bfloat16 or float16");
   }
+}
+
+void moe_combine(const at::Tensor& rows, const at::Tensor& src, const at::Tensor& topk_weights, at::Tensor out) {
+  TORCH_CHECK(src.dim() == 2 && src.is_contiguous() && src.scalar_type() == at::kLong, "moe_combine: src [T, K] int64");
+  combine_checked(rows, src.data_ptr<int64_t>(), src.size(0), src.size(1), topk_weights, out);
+}
+
+// moe_combine with src[t, k] = expert_rows[ids[t, k]] + base + t * K + k: where an
+// expert-parallel rank's pairs sit in the shared segment (elastic/shm_group.py), the
+// block of the rank that computed the expert, then the pair's row in it.
+void moe_combine_routed(const at::Tensor& rows, const at::Tensor& ids, const at::Tensor& expert_rows, int64_t base,
+                        const at::Tensor& topk_weights, at::Tensor out) {
+  TORCH_CHECK(ids.dim() == 2 && ids.is_contiguous() && ids.scalar_type() == at::kLong, "moe_combine_routed: ids [T, K] int64");
+  TORCH_CHECK(expert_rows.dim() == 1 && expert_rows.is_contiguous() && expert_rows.scalar_type() == at::kLong,
+              "moe_combine_routed: expert_rows [E] int64");
+  const int64_t T_ = ids.size(0), K = ids.size(1), E = expert_rows.size(0);
+  const int64_t* ip = ids.data_ptr<int64_t>();
+  const int64_t* er = expert_rows.data_ptr<int64_t>();
+  std::vector<int64_t> src(T_ * K);
+  for (int64_t i = 0; i < T_ * K; ++i) {
+    TORCH_CHECK(ip[i] >= 0 && ip[i] < E, "moe_combine_routed: expert id out of range");
+    src[i] = er[ip[i]] + base + i;
+  }
+  combine_checked(rows, src.data(), T_, K, topk_weights, out);
+}
+
+// Which rank computes each expert's pairs of one round of an expert-parallel layer, when
+// every rank of the node can compute every expert (elastic/shm_group.py, whose
+// ``assign_experts`` is the reference): the active experts, most pairs first (ties: lower
+// id), each to the rank with the least load so far (ties: its owner, then the lower
+// rank), an expert's load being expert_cost plus its pairs. ids [N, K]: every rank's
+// expert ids of the round; owner [E]: each expert's owner. Returns (ids with the experts
+// of other ranks set to -1: what this rank computes, and per expert block * its rank).
+std::tuple<at::Tensor, at::Tensor> moe_share(const at::Tensor& ids, const at::Tensor& owner, int64_t world,
+                                             int64_t rank, int64_t block, int64_t expert_cost) {
+  TORCH_CHECK(ids.dim() == 2 && ids.is_contiguous() && ids.scalar_type() == at::kLong, "moe_share: ids [N, K] int64");
+  TORCH_CHECK(owner.dim() == 1 && owner.is_contiguous() && owner.scalar_type() == at::kLong, "moe_share: owner [E] int64");
+  TORCH_CHECK(world >= 1 && rank >= 0 && rank < world, "moe_share: rank outside the world");
+  const int64_t E = owner.size(0), n = ids.numel();
+  const int64_t* ip = ids.data_ptr<int64_t>();
+  const int64_t* op = owner.data_ptr<int64_t>();
+  std::vector<int64_t> pairs(E, 0), assign(op, op + E), load(world, 0), active;
+  for (int64_t e = 0; e < E; ++e) TORCH_CHECK(op[e] >= 0 && op[e] < world, "moe_share: owner out of range");
+  for (int64_t i = 0; i < n; ++i) {
+    TORCH_CHECK(ip[i] >= 0 && ip[i] < E, "moe_share: expert id out of range");
+    ++pairs[ip[i]];
+  }
+  for (int64_t e = 0; e < E; ++e)
+    if (pairs[e]) active.push_back(e);
+  std::sort(active.begin(), active.end(),
+            [&](int64_t a, int64_t b) { return pairs[a] != pairs[b] ? pairs[a] > pairs[b] : a < b; });
+  for (int64_t e : active) {
+    int64_t best = 0;
+    for (int64_t q = 1; q < world; ++q) {
+      const bool better = load[q] != load[best] ? load[q] < load[best] : (q == op[e]) > (best == op[e]);
+      if (better) best = q;
+    }
+    assign[e] = best;
+    load[best] += expert_cost + pairs[e];
+  }
+  at::Tensor mine = at::empty_like(ids);
+  at::Tensor rows = at::empty({E}, owner.options());
+  int64_t* mp = mine.data_ptr<int64_t>();
+  int64_t* rp = rows.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i) mp[i] = assign[ip[i]] == rank ? ip[i] : -1;
+  for (int64_t e = 0; e < E; ++e) rp[e] = assign[e] * block;
+  return {mine, rows};
 }
 
 }  // namespace
@@ -289,10 +358,15 @@ TORCH_LIBRARY_FRAGMENT(planaria, m) {
         "Tensor(a!) out) -> ()");
   m.def("fused_moe_pairs(Tensor x, Tensor w13, Tensor w2, Tensor topk_ids, int expert_offset, Tensor(a!) y) -> ()");
   m.def("moe_combine(Tensor rows, Tensor src, Tensor topk_weights, Tensor(a!) out) -> ()");
+  m.def("moe_combine_routed(Tensor rows, Tensor ids, Tensor expert_rows, int base, Tensor topk_weights, "
+        "Tensor(a!) out) -> ()");
+  m.def("moe_share(Tensor ids, Tensor owner, int world, int rank, int block, int expert_cost) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(planaria, CPU, m) {
   m.impl("fused_moe", &fused_moe);
   m.impl("fused_moe_pairs", &fused_moe_pairs);
   m.impl("moe_combine", &moe_combine);
+  m.impl("moe_combine_routed", &moe_combine_routed);
+  m.impl("moe_share", &moe_share);
 }
