@@ -58,7 +58,7 @@ import torch
 from planaria.common.proc_stat import process_start
 from planaria.elastic.errors import ElasticError
 from planaria.kernels import cpu_ext
-from planaria.kernels.moe import expert_pair_outputs
+from planaria.kernels.moe import expert_pair_outputs, fused_kernel_takes
 
 
 class ShmCollectiveError(ElasticError):
@@ -333,7 +333,7 @@ class ShmGroup:
         hdr = self._hdr_np
         hdr[r, 0] = T
         hdr[r, 1] = getattr(moe, "node_key", 0)
-        rounds, i, balanced = 1, 0, False
+        rounds, i, balanced, shared_any = 1, 0, False, False
         totals: list[int] = []
         while i < rounds:
             lo = i * C
@@ -352,7 +352,8 @@ class ShmGroup:
                 balanced = (keys[0] != 0 and all(k_ == keys[0] for k_ in keys)
                             and getattr(moe, "node_w13", None) is not None)
             counts = [max(0, min(C, t_ - lo)) for t_ in totals]
-            owner = self._compute(moe, counts, sum(totals), rank_of_expert, balanced)
+            owner, shared = self._compute(moe, counts, sum(totals), rank_of_expert, balanced)
+            shared_any = shared_any or shared
             self._phase()  # B: every rank's outputs for every source are in
             if whole:
                 torch.ops.planaria.moe_combine_routed(self._rows, ids, owner, r * C * K, w32, out)
@@ -360,20 +361,21 @@ class ShmGroup:
                 torch.ops.planaria.moe_combine_routed(self._rows, ids[lo:lo + n], owner, r * C * K,
                                                       w32[lo:lo + n], out[lo:lo + n])
             i += 1
-        if balanced:
+        if shared_any:
             self.balanced_layers += 1
         return out
 
     def _compute(self, moe, counts: list[int], total_tokens: int, rank_of_expert: torch.Tensor,
-                 balanced: bool) -> torch.Tensor:
+                 balanced: bool) -> tuple[torch.Tensor, bool]:
         """This rank's pairs of the round (every source's tokens), each source's pair outputs
         into y[this rank, source]. Returns, per expert, the first row of the outputs block
-        of the rank that computed its pairs (what the sources' combine reads)."""
+        of the rank that computed its pairs (what the sources' combine reads), and whether
+        the experts were shared out by load."""
         r, K, H, W, C = self.rank, self.layout.top_k, self.layout.hidden, self.world_size, self.layout.capacity
         srcs = [s for s, c in enumerate(counts) if c]
         block = W * C * K
         if not srcs:
-            return self._owner_rows(rank_of_expert, block)
+            return self._owner_rows(rank_of_expert, block), False
         if len(srcs) == 1:
             s = srcs[0]
             xs, ids_s = self._x_of[s][:counts[s]], self._ids_of[s][:counts[s]]
@@ -382,6 +384,12 @@ class ShmGroup:
             ids_s = torch.cat([self._ids_of[s][:counts[s]] for s in srcs])
         total = xs.shape[0]
         n_all = moe.num_experts
+        invariant = getattr(moe, "invariant", False)
+        # Shared out only where the C++ kernel computes the pairs (the one engine's rule at
+        # this load): each pair's bits do not depend on which others share its call. Past
+        # that, the torch code's batched matmul would stream every expert of node_w13, and
+        # at such loads the owners' shares are even anyway. Every rank decides alike.
+        balanced = balanced and fused_kernel_takes(xs, moe.node_w13, moe.node_w2, total_tokens * K, invariant)
         if balanced:
             try:  # assign_experts in C++, and this rank's pairs: the others' expert ids set to -1
                 ids_c, owner = torch.ops.planaria.moe_share(ids_s, rank_of_expert, W, r, block, _EXPERT_COST)
@@ -397,13 +405,13 @@ class ShmGroup:
             num_pairs = total_tokens * K * w13.shape[0] // max(1, n_all)
         direct = len(srcs) == 1
         y = self._y_own[srcs[0]][:total] if direct else torch.empty(total, K, H, dtype=torch.float32)
-        expert_pair_outputs(xs, w13, w2, ids_c, offset, y, getattr(moe, "invariant", False), num_pairs)
+        expert_pair_outputs(xs, w13, w2, ids_c, offset, y, invariant, num_pairs)
         if not direct:
             off = 0
             for s in srcs:
                 self.y[r, s, :counts[s]].copy_(y[off:off + counts[s]])
                 off += counts[s]
-        return owner
+        return owner, balanced
 
     def _owner_rows(self, rank_of_expert: torch.Tensor, block: int) -> torch.Tensor:
         if self._owner_cache is None or self._owner_cache[0] is not rank_of_expert:

@@ -209,11 +209,17 @@ def _moe_rank(path, rank, world, peers_q, q, node_keys, counts):
     q.put((rank, outs, g.balanced_layers))
 
 
-@pytest.mark.parametrize("node_keys", [(5, 5, 5), (5, 0, 5), (5, 6, 5)], ids=["balanced", "no-views", "other-file"])
-def test_moe_pairs_give_the_one_engine_bits_wherever_they_are_computed(node_keys):
+@pytest.mark.parametrize("node_keys,counts", [((5, 5, 5), [1, 6, 0]), ((5, 0, 5), [1, 6, 0]),
+                                              ((5, 6, 5), [1, 6, 0]), ((5, 5, 5), [1, 60, 0])],
+                         ids=["balanced", "no-views", "other-file", "past-the-kernel"])
+def test_moe_pairs_give_the_one_engine_bits_wherever_they_are_computed(node_keys, counts):
+    """Shared out by load or computed by the owners, a layer's outputs are the one engine's,
+    bit for bit, in the C++ kernel's regime; past it (61 tokens x 2 > 16 pairs x 6 experts:
+    the torch code, whose batched matmul would read every expert) the owners compute."""
     from planaria.kernels.moe import grouped_expert_mlp
 
-    world, counts = 3, [1, 6, 0]
+    world = 3
+    heavy = sum(counts) * _K > 16 * _E
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     path = shm_group.create_segment(0, Layout(world, 4, _H, _K, torch.float32).size())
@@ -238,11 +244,14 @@ def test_moe_pairs_give_the_one_engine_bits_wherever_they_are_computed(node_keys
         os.unlink(path)
     w13, w2 = _experts()
     for rank, (outs, balanced) in results.items():
-        assert balanced == (4 if len(set(node_keys)) == 1 else 0)
+        assert balanced == (4 if len(set(node_keys)) == 1 and not heavy else 0)
         for layer, got in enumerate(outs):
             x, w, ids = _tokens(rank, layer, counts[rank])
             want = grouped_expert_mlp(x, w13, w2, w, ids)  # one engine: every expert here
-            assert torch.equal(torch.from_numpy(got), want), (rank, layer)
+            if heavy:  # the torch code's sums follow its batch
+                torch.testing.assert_close(torch.from_numpy(got), want, rtol=1e-5, atol=1e-5)
+            else:
+                assert torch.equal(torch.from_numpy(got), want), (rank, layer)
 
 
 def test_the_kernels_share_out_experts_as_assign_experts_does():
