@@ -352,7 +352,7 @@ class ShmGroup:
                 balanced = (keys[0] != 0 and all(k_ == keys[0] for k_ in keys)
                             and getattr(moe, "node_w13", None) is not None)
             counts = [max(0, min(C, t_ - lo)) for t_ in totals]
-            owner, shared = self._compute(moe, counts, sum(totals), rank_of_expert, balanced)
+            owner, shared = self._compute(moe, counts, rank_of_expert, balanced)
             shared_any = shared_any or shared
             self._phase()  # B: every rank's outputs for every source are in
             if whole:
@@ -365,7 +365,7 @@ class ShmGroup:
             self.balanced_layers += 1
         return out
 
-    def _compute(self, moe, counts: list[int], total_tokens: int, rank_of_expert: torch.Tensor,
+    def _compute(self, moe, counts: list[int], rank_of_expert: torch.Tensor,
                  balanced: bool) -> tuple[torch.Tensor, bool]:
         """This rank's pairs of the round (every source's tokens), each source's pair outputs
         into y[this rank, source]. Returns, per expert, the first row of the outputs block
@@ -389,7 +389,7 @@ class ShmGroup:
         # this load): each pair's bits do not depend on which others share its call. Past
         # that, the torch code's batched matmul would stream every expert of node_w13, and
         # at such loads the owners' shares are even anyway. Every rank decides alike.
-        balanced = balanced and fused_kernel_takes(xs, moe.node_w13, moe.node_w2, total_tokens * K, invariant)
+        balanced = balanced and fused_kernel_takes(xs, moe.node_w13, moe.node_w2, total * K, invariant)
         if balanced:
             try:  # assign_experts in C++, and this rank's pairs: the others' expert ids set to -1
                 ids_c, owner = torch.ops.planaria.moe_share(ids_s, rank_of_expert, W, r, block, _EXPERT_COST)
@@ -397,12 +397,12 @@ class ShmGroup:
                 raise ShmCollectiveError(f"shared MoE: {exc}") from exc
             w13, w2, offset = moe.node_w13, moe.node_w2, 0
             # the one engine's rule at the same load: every expert here, all the pairs
-            num_pairs = total_tokens * K
+            num_pairs = total * K
         else:
             w13, w2, ids_c, offset = moe.w13, moe.w2, ids_s, moe.expert_start
             owner = self._owner_rows(rank_of_expert, block)
             # the pairs these experts get, on average: the one engine's rule at the same load
-            num_pairs = total_tokens * K * w13.shape[0] // max(1, n_all)
+            num_pairs = total * K * w13.shape[0] // max(1, n_all)
         direct = len(srcs) == 1
         y = self._y_own[srcs[0]][:total] if direct else torch.empty(total, K, H, dtype=torch.float32)
         expert_pair_outputs(xs, w13, w2, ids_c, offset, y, invariant, num_pairs)

@@ -191,11 +191,11 @@ def _tokens(rank: int, layer: int, n: int):
     return x, torch.rand(n, _K, generator=g), ids
 
 
-def _moe_rank(path, rank, world, peers_q, q, node_keys, counts):
+def _moe_rank(path, rank, world, peers_q, q, node_keys, counts, capacity):
     import types
 
     peers = peers_q.get(timeout=60)
-    g = ShmGroup(path, rank, Layout(world, 4, _H, _K, torch.float32), peers, TIMEOUT_S)
+    g = ShmGroup(path, rank, Layout(world, capacity, _H, _K, torch.float32), peers, TIMEOUT_S)
     w13, w2 = _experts()
     owner = torch.tensor([e * world // _E for e in range(_E)])  # contiguous shares
     mine = (owner == rank).nonzero().view(-1).tolist()
@@ -203,7 +203,7 @@ def _moe_rank(path, rank, world, peers_q, q, node_keys, counts):
     moe = types.SimpleNamespace(w13=w13[lo:hi].contiguous(), w2=w2[lo:hi].contiguous(), expert_start=lo,
                                 num_experts=_E, node_w13=w13, node_w2=w2, node_key=node_keys[rank])
     outs = []
-    for layer in range(4):  # rounds of 4 tokens: counts[rank] = 6 takes two
+    for layer in range(4):  # rounds of `capacity` tokens: 6 tokens in rounds of 4 take two
         x, w, ids = _tokens(rank, layer, counts[rank])
         outs.append(g.moe(moe, x, w, ids, owner).numpy())  # by value: the process exits next
     q.put((rank, outs, g.balanced_layers))
@@ -214,17 +214,18 @@ def _moe_rank(path, rank, world, peers_q, q, node_keys, counts):
                          ids=["balanced", "no-views", "other-file", "past-the-kernel"])
 def test_moe_pairs_give_the_one_engine_bits_wherever_they_are_computed(node_keys, counts):
     """Shared out by load or computed by the owners, a layer's outputs are the one engine's,
-    bit for bit, in the C++ kernel's regime; past it (61 tokens x 2 > 16 pairs x 6 experts:
-    the torch code, whose batched matmul would read every expert) the owners compute."""
+    bit for bit, in the C++ kernel's regime; past it (a round of 61 tokens x 2 > 16 pairs x 6
+    experts: the torch code, whose batched matmul would read every expert) the owners compute."""
     from planaria.kernels.moe import grouped_expert_mlp
 
     world = 3
     heavy = sum(counts) * _K > 16 * _E
+    capacity = 64 if heavy else 4  # heavy: one round of all 61 tokens
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    path = shm_group.create_segment(0, Layout(world, 4, _H, _K, torch.float32).size())
+    path = shm_group.create_segment(0, Layout(world, capacity, _H, _K, torch.float32).size())
     readers = [ctx.Queue() for _ in range(world)]
-    procs = [ctx.Process(target=_moe_rank, args=(path, r, world, readers[r], q, node_keys, counts))
+    procs = [ctx.Process(target=_moe_rank, args=(path, r, world, readers[r], q, node_keys, counts, capacity))
              for r in range(world)]
     for p in procs:
         p.start()
