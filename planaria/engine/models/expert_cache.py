@@ -20,7 +20,10 @@ partial file under the real name; a build deletes all but the newest ``MAX_FILES
 ``dir``: ``$PLANARIA_EXPERT_CACHE_DIR`` (``planaria serve`` sets ``<state
 dir>/expert-cache``), else ``experts`` in the planaria cache dir. The disk it takes is the
 experts' size in the compute dtype (SmolLM2-MoE in bfloat16: 0.6 GB).
-``PLANARIA_EXPERT_CACHE=0`` turns it off: experts are read from the checkpoint.
+Because every rank maps every expert of the file, the ranks of a node also share each MoE
+layer's experts out by load (elastic/shm_group.py; ``SparseMoE.node_w13``).
+``PLANARIA_EXPERT_CACHE=0`` turns it off: experts are read from the checkpoint, and each
+expert's owner computes its pairs.
 """
 
 from __future__ import annotations
