@@ -53,7 +53,7 @@ def test_matches_float64_attention_over_the_paged_cache(dtype, tol, Hq, Hkv):
 
 
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2), (torch.float16, 2e-3)])
-@pytest.mark.parametrize("Hq, Hkv, D", [(10, 2, 80), (8, 4, 128), (6, 1, 40), (3, 3, 16)])
+@pytest.mark.parametrize("Hq, Hkv, D", [(10, 2, 80), (8, 4, 128), (6, 1, 40), (3, 3, 16), (6, 2, 36), (9, 3, 96)])
 def test_head_sizes_and_group_sizes(dtype, tol, Hq, Hkv, D):
     # head sizes past one 64-value block or with a vector tail, groups of query heads past
     # four (the kernel holds up to 4 heads x 64 values in registers), 16-key groups' tails

@@ -11,9 +11,9 @@
 // product left in a vector and the 16 summed by one transpose-and-add tree (bf16 keys
 // read by the dot instruction as they are); the weighted values with up to 4 heads x 64
 // values of float32 accumulators in registers over all the tokens; with AVX2 + FMA and no
-// AVX-512 (float32) the same with 8 lanes (8 keys a tree, 4 heads x 16 values in
-// registers). Token slots are worked out once per pair, block by block (no division per
-// token). float16 and builds without those instructions take the plain loops below.
+// AVX-512 (float32) the same with 8 lanes (8 keys a tree, 3 heads x 32 or 4 heads x 16
+// values in registers). Token slots are worked out once per pair, block by block (no
+// division per token). float16 and builds without those instructions take the plain loops below.
 // planaria/kernels/cpu_ext.py builds this file; the torch code in kernels/attention.py is
 // the reference it is tested against (tests/kernels/test_cpu_ext.py).
 
@@ -37,7 +37,7 @@ namespace {
 
 using planaria_cpu::widen;
 
-#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#if defined(__AVX512F__)
 // for a scores pass working on the group of ``n`` keys at t0 (``group`` keys a group): the
 // next group's key rows, and this group's value rows for the pass after the softmax (the
 // slots are scattered over the cache: the hardware prefetcher cannot guess them)
@@ -186,9 +186,13 @@ inline void values_fast(const T* vp, int64_t slot_stride, int64_t voff, const in
 
 #if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
 // AVX2 + FMA, float32 (a CPU without AVX-512): the same two passes with 8 lanes. Scores
-// for 8 keys at a time (each dot product left in a vector, the 8 summed by one
-// hadd-and-permute tree); the weighted values with up to 4 heads x 16 values of
-// accumulators in registers (8 of the 16 AVX2 registers) over all the tokens.
+// for 8 keys at a time (the 8 dot products side by side, each left in a vector, the 8
+// summed by one hadd-and-permute tree); the weighted values with up to 3 heads x 32 values
+// of accumulators in registers over all the tokens (4 heads x 16 where D is not a
+// multiple of 32). Keys and values are prefetched by software, far enough ahead to cover a
+// miss to memory: at 64 sequences the cache no longer fits in L3, and the first version
+// (one group of keys ahead, 4 passes over the values) read it at 2-4 GB/s on an EPYC
+// AVX2 host; this one at 6-8 GB/s (bench/README.md).
 using planaria_cpu::tail_mask8;
 
 // lane j of the result = the sum of v[j]'s 8 lanes
@@ -211,24 +215,94 @@ inline __m256 dot_lanes8(const float* a, const float* b, int64_t D) {
   return acc;
 }
 
-// scores[g * ctx + t] = scale * q_g . k_t for G query heads, 8 keys at a time
-inline void scores_avx2(const float* q, const float* kp, const float* vp, int64_t slot_stride, int64_t koff,
+// prefetch rows [t0, t1) of a cache (head offset off), every cache line of each
+inline void prefetch_span(const float* base, int64_t slot_stride, int64_t off, int64_t row_bytes,
+                          const int64_t* slots, int64_t t0, int64_t t1) {
+  for (int64_t t = t0; t < t1; ++t)
+    for (int64_t b = 0; b < row_bytes; b += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(base + slots[t] * slot_stride + off) + b, _MM_HINT_T0);
+}
+
+// keys are prefetched this many groups of 8 ahead (the rows are scattered over the cache,
+// so the hardware prefetcher cannot follow them; one group's sums take less time than a
+// miss to memory, so one group ahead left most of it exposed)
+constexpr int64_t kKeyGroupsAhead = 3;
+
+// scores[g * ctx + t] = scale * q_g . k_t for G query heads, 8 keys at a time. Where D is
+// a multiple of 8, the 8 keys' sums run side by side (8 independent FMA chains, the loads
+// of a row shared by none: throughput-bound), not one key's chain after another (latency-
+// bound); each lane adds the same products in the same order either way, so the scores
+// are the same bits.
+inline void scores_avx2(const float* q, const float* kp, int64_t slot_stride, int64_t koff,
                         const int64_t* slots, int64_t ctx, int64_t G, int64_t D, float scale, float* scores) {
   const __m256 vscale = _mm256_set1_ps(scale);
   const float* krow[8];
   __m256 v[8];
   const int64_t row_bytes = D * static_cast<int64_t>(sizeof(float));
+  prefetch_span(kp, slot_stride, koff, row_bytes, slots, 0, std::min(ctx, 8 * kKeyGroupsAhead));
   for (int64_t t0 = 0; t0 < ctx; t0 += 8) {
     const int n = static_cast<int>(std::min<int64_t>(8, ctx - t0));
-    prefetch_rows(kp, vp, slot_stride, koff, row_bytes, slots, t0, 8, n, ctx);
+    const int64_t ahead = t0 + 8 * kKeyGroupsAhead;
+    if (ahead < ctx) prefetch_span(kp, slot_stride, koff, row_bytes, slots, ahead, std::min(ctx, ahead + 8));
     for (int j = 0; j < n; ++j) krow[j] = kp + slots[t0 + j] * slot_stride + koff;
     const __m256i m = tail_mask8(n);
+    if (D % 8 == 0) {
+      for (int j = n; j < 8; ++j) krow[j] = krow[0];  // a tail group: lanes past n are not stored
+      for (int64_t g = 0; g < G; ++g) {
+        const float* qg = q + g * D;
+#pragma GCC unroll 8
+        for (int j = 0; j < 8; ++j) v[j] = _mm256_setzero_ps();
+        for (int64_t d = 0; d < D; d += 8) {
+          const __m256 qv = _mm256_loadu_ps(qg + d);
+#pragma GCC unroll 8
+          for (int j = 0; j < 8; ++j) v[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(krow[j] + d), v[j]);
+        }
+        _mm256_maskstore_ps(scores + g * ctx + t0, m, _mm256_mul_ps(hsum8x8(v), vscale));
+      }
+      continue;
+    }
     for (int64_t g = 0; g < G; ++g) {
 #pragma GCC unroll 8
       for (int j = 0; j < 8; ++j) v[j] = j < n ? dot_lanes8(q + g * D, krow[j], D) : _mm256_setzero_ps();
       _mm256_maskstore_ps(scores + g * ctx + t0, m, _mm256_mul_ps(hsum8x8(v), vscale));
     }
   }
+}
+
+// value rows are prefetched this many tokens ahead, by the first pass over them
+constexpr int64_t kValueRowsAhead = 16;
+
+// out_g[d0 .. d0 + 32) for GN <= 3 heads (D a multiple of 32): GN x 4 accumulators, a
+// token's GN weights broadcast once, each of its 4 value vectors loaded once and used GN
+// times (all 16 registers); the pass at d0 = 0 prefetches whole rows ahead
+template <int GN>
+inline void weighted_values8x4(const float* vp, int64_t slot_stride, int64_t voff, const int64_t* slots, int64_t ctx,
+                               int64_t D, int64_t d0, const float* p, int64_t p_stride, float* out) {
+  __m256 acc[GN][4];
+#pragma GCC unroll 3
+  for (int g = 0; g < GN; ++g)
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; ++c) acc[g][c] = _mm256_setzero_ps();
+  const int64_t row_bytes = D * static_cast<int64_t>(sizeof(float));
+  if (d0 == 0) prefetch_span(vp, slot_stride, voff, row_bytes, slots, 0, std::min(ctx, kValueRowsAhead));
+  for (int64_t t = 0; t < ctx; ++t) {
+    if (d0 == 0 && t + kValueRowsAhead < ctx)
+      prefetch_span(vp, slot_stride, voff, row_bytes, slots, t + kValueRowsAhead, t + kValueRowsAhead + 1);
+    const float* row = vp + slots[t] * slot_stride + voff + d0;
+    __m256 pg[GN];
+#pragma GCC unroll 3
+    for (int g = 0; g < GN; ++g) pg[g] = _mm256_broadcast_ss(p + g * p_stride + t);
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; ++c) {
+      const __m256 v = _mm256_loadu_ps(row + 8 * c);
+#pragma GCC unroll 3
+      for (int g = 0; g < GN; ++g) acc[g][c] = _mm256_fmadd_ps(pg[g], v, acc[g][c]);
+    }
+  }
+#pragma GCC unroll 3
+  for (int g = 0; g < GN; ++g)
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; ++c) _mm256_storeu_ps(out + g * D + d0 + 8 * c, acc[g][c]);
 }
 
 // out_g[d0 .. d0 + 8 DC) = sum_t p_g[t] v_t[same] for GN query heads (GN x DC accumulators)
@@ -272,6 +346,19 @@ inline void weighted_values8_d(int dc, const float* vp, int64_t slot_stride, int
 // acc_g = sum_t p_gt v_t for all G heads: blocks of up to 4 heads x 16 values
 inline void values_avx2(const float* vp, int64_t slot_stride, int64_t voff, const int64_t* slots, int64_t ctx,
                         int64_t G, int64_t D, const float* p, float* acc) {
+  if (D % 32 == 0) {  // blocks of up to 3 heads x 32 values: half the passes over the rows
+    for (int64_t g0 = 0; g0 < G; g0 += 3)
+      for (int64_t d0 = 0; d0 < D; d0 += 32) {
+        const float* pg = p + g0 * ctx;
+        float* ag = acc + g0 * D;
+        switch (std::min<int64_t>(3, G - g0)) {
+          case 3: weighted_values8x4<3>(vp, slot_stride, voff, slots, ctx, D, d0, pg, ctx, ag); break;
+          case 2: weighted_values8x4<2>(vp, slot_stride, voff, slots, ctx, D, d0, pg, ctx, ag); break;
+          default: weighted_values8x4<1>(vp, slot_stride, voff, slots, ctx, D, d0, pg, ctx, ag); break;
+        }
+      }
+    return;
+  }
   for (int64_t g0 = 0; g0 < G; g0 += 4)
     for (int64_t d0 = 0; d0 < D; d0 += 16) {
       const int dc = D - d0 > 8 ? 2 : 1;
@@ -322,7 +409,7 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
 #endif
       } else if constexpr (planaria_cpu::avx2_fast<T>()) {
 #if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
-        scores_avx2(qp + (b * Hq + h * G) * D, kp, vp, slot_stride, h * D, slots.data(), ctx, G, D, fscale,
+        scores_avx2(qp + (b * Hq + h * G) * D, kp, slot_stride, h * D, slots.data(), ctx, G, D, fscale,
                     scores.data());
 #endif
       } else {
