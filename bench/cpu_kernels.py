@@ -1,7 +1,8 @@
 """The C++ CPU kernels against the torch code they replace, on this host, at the shapes of
 the two benchmark models (SmolLM2-135M and bench-moe).
 
-    .venv/bin/python -m bench.cpu_kernels [--dtype float32,bfloat16] [--reps 30] [--json FILE]
+    .venv/bin/python -m bench.cpu_kernels [--dtype float32,bfloat16] [--reps 30] [--ops linear,lm_head,moe,attention]
+        [--json FILE]
 
 Rows (median milliseconds of ``--reps`` calls after a warm-up, each op alone):
 - linear: ``torch.ops.planaria.skinny_linear`` vs ``F.linear`` (torch's GEMM) at 1-64 rows
@@ -15,7 +16,13 @@ Rows (median milliseconds of ``--reps`` calls after a warm-up, each op alone):
   ``pack_lm_head``): ``packed_linear_argmax`` and the logits ``packed_linear_chunked``,
   timed in turn call by call (``--reps`` rounds), as the differences are a few percent;
 - fused MoE: ``torch.ops.planaria.fused_moe`` vs the torch code (bench-moe's 16 experts,
-  top-2, 512 -> 512, routed at random) at 1-64 tokens.
+  top-2, 512 -> 512, routed at random) at 1-64 tokens;
+- decode attention: ``torch.ops.planaria.decode_attention`` vs the torch code
+  (kernels/attention.py with the kernels off: gather the blocks, SDPA) at SmolLM2's heads
+  (9 query / 3 KV, 64 values) and bench-moe's (8 / 4), 1-64 sequences of 162 tokens in
+  16-token blocks scattered over the cache, each call on the next of 8 layers' caches (as
+  a step reads them: not from the CPU's cache at 64 sequences); the KV bytes read per
+  second (keys and values).
 The host line (CPU model, AVX-512 / AVX2 flags) is printed; ratios are same-run.
 (Not named bench/kernels.py: vLLM imports a package named ``kernels``, and its offline
 script, bench/_vllm_offline.py, runs with bench/ first on sys.path.)
@@ -34,6 +41,7 @@ import torch.nn.functional as F
 
 from bench.offline_vs_vllm import cpu_line
 from planaria.kernels import cpu_ext
+from planaria.kernels.attention import build_metadata, paged_attention
 from planaria.kernels import linear as lin
 from planaria.kernels.moe import grouped_expert_mlp
 from planaria.kernels.sampling import argmax_rows
@@ -142,11 +150,51 @@ def moe(dtype: torch.dtype, reps: int) -> list[dict]:
     return rows
 
 
+def attention(dtype: torch.dtype, reps: int, ctx: int = 162, layers: int = 8, block: int = 16) -> list[dict]:
+    g = torch.Generator().manual_seed(0)
+    rows = []
+    for model, (hq, hkv, d) in (("smollm2", (9, 3, 64)), ("bench-moe", (8, 4, 64))):
+        for seqs in (1, 16, 64):
+            nb = -(-ctx // block)
+            slots = seqs * nb * block
+            caches = [(torch.randn(slots, hkv, d, generator=g).to(dtype), torch.randn(slots, hkv, d, generator=g).to(dtype))
+                      for _ in range(layers)]
+            tables = torch.randperm(seqs * nb, generator=g).view(seqs, nb)
+            md = build_metadata(tables.numpy(), [ctx] * seqs, [], block, torch.device("cpu"))
+            q = torch.randn(seqs, hq, d, generator=g).to(dtype)
+            k_new = torch.randn(seqs, hkv, d, generator=g).to(dtype)
+            out = torch.empty_like(q)
+            turn = iter(range(1 << 62))
+            scale = d ** -0.5
+
+            def ours():
+                kc, vc = caches[next(turn) % layers]
+                torch.ops.planaria.decode_attention(q, kc, vc, md.decode_blocks, md.decode_ctx_lens, block, scale, out)
+
+            def torch_code():
+                kc, vc = caches[next(turn) % layers]
+                paged_attention(q, k_new, k_new, kc, vc, md, scale)
+
+            mine = timed(ours, reps)
+            cpu_ext.enabled = False
+            try:
+                ref = timed(torch_code, reps)
+            finally:
+                cpu_ext.enabled = True
+            gbs = 2 * seqs * ctx * hkv * d * q.element_size() / (mine / 1000) / 1e9
+            rows.append(dict(op="decode_attention", model=model, seqs=seqs, ctx=ctx, cpp_ms=round(mine, 4),
+                             torch_ms=round(ref, 4), speedup=round(ref / mine, 2), kv_gb_s=round(gbs, 1)))
+            print(f"  decode_attention {model:<9} {seqs:>3} seqs x {ctx}  C++ {mine:8.4f}  torch {ref:8.4f}  "
+                  f"{ref / mine:5.2f}x  KV read {gbs:5.1f} GB/s", flush=True)
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--json")
+    ap.add_argument("--ops", default="linear,lm_head,moe,attention", help="the sections to run (comma-separated)")
     args = ap.parse_args()
     if not cpu_ext.available():
         raise SystemExit(f"the C++ kernels are not loaded: {cpu_ext.status()}")
@@ -157,8 +205,14 @@ def main() -> None:
         for name in args.dtype.split(","):
             dtype = getattr(torch, name)
             print(f"{name}: kernels/linear.py takes the C++ linear up to {lin.max_rows(dtype)} rows here")
-            out[name] = (linears(dtype, args.reps) + lm_head(dtype, args.reps)
-                         + lm_head_packed(dtype, args.reps) + moe(dtype, args.reps))
+            sections = {"linear": [linears], "lm_head": [lm_head, lm_head_packed], "moe": [moe],
+                        "attention": [attention]}
+            out[name] = []
+            for section in args.ops.split(","):
+                if section not in sections:
+                    raise SystemExit(f"--ops: unknown section {section!r} (of {', '.join(sections)})")
+                for fn in sections[section]:
+                    out[name] += fn(dtype, args.reps)
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=2))
 
