@@ -24,5 +24,8 @@ def test_a_short_fault_storm_in_replica_mode_fails_no_request(tiny_moe, tmp_path
     assert not r.storm.failed and not r.storm.mismatched, report(r)
     assert r.storm.done >= 20
     # both engines down at once happens (a fault every 2-5 s, a restart takes seconds):
-    # requests wait for one then (none fails); the share is reported, not a target
-    assert r.serving_share > 0.5, report(r)
+    # requests wait for one then (none fails); the share is reported, not a target. It
+    # follows the host's restart time: 0.46-0.5 on a 2-vCPU EPYC VM (twice in clean runs,
+    # 12-13 s of 26-28 with none serving), more on faster hosts. The bound only catches
+    # engines left down (a flap hold would also show as fewer restarts than faults above)
+    assert r.serving_share > 0.3, report(r)
