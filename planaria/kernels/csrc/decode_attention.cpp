@@ -229,10 +229,10 @@ inline void prefetch_span(const float* base, int64_t slot_stride, int64_t off, i
 constexpr int64_t kKeyGroupsAhead = 3;
 
 // scores[g * ctx + t] = scale * q_g . k_t for G query heads, 8 keys at a time. Where D is
-// a multiple of 8, the 8 keys' sums run side by side (8 independent FMA chains, the loads
-// of a row shared by none: throughput-bound), not one key's chain after another (latency-
-// bound); each lane adds the same products in the same order either way, so the scores
-// are the same bits.
+// a multiple of 8, the 8 keys' sums run side by side (8 independent FMA chains sharing
+// each load of q: throughput-bound), not one key's chain after another (latency-bound);
+// each lane adds the same products in the same order either way, so the scores are the
+// same bits.
 inline void scores_avx2(const float* q, const float* kp, int64_t slot_stride, int64_t koff,
                         const int64_t* slots, int64_t ctx, int64_t G, int64_t D, float scale, float* scores) {
   const __m256 vscale = _mm256_set1_ps(scale);
