@@ -31,6 +31,7 @@ script, bench/_vllm_offline.py, runs with bench/ first on sys.path.)
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 import time
@@ -164,7 +165,7 @@ def attention(dtype: torch.dtype, reps: int, ctx: int = 162, layers: int = 8, bl
             q = torch.randn(seqs, hq, d, generator=g).to(dtype)
             k_new = torch.randn(seqs, hkv, d, generator=g).to(dtype)
             out = torch.empty_like(q)
-            turn = iter(range(1 << 62))
+            turn = itertools.count()
             scale = d ** -0.5
 
             def ours():
@@ -189,6 +190,9 @@ def attention(dtype: torch.dtype, reps: int, ctx: int = 162, layers: int = 8, bl
     return rows
 
 
+SECTIONS = {"linear": [linears], "lm_head": [lm_head, lm_head_packed], "moe": [moe], "attention": [attention]}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--dtype", default="float32")
@@ -196,6 +200,10 @@ def main() -> None:
     ap.add_argument("--json")
     ap.add_argument("--ops", default="linear,lm_head,moe,attention", help="the sections to run (comma-separated)")
     args = ap.parse_args()
+    ops = args.ops.split(",")
+    unknown = [op for op in ops if op not in SECTIONS]
+    if unknown:  # before any section runs
+        raise SystemExit(f"--ops: unknown section(s) {', '.join(unknown)} (of {', '.join(SECTIONS)})")
     if not cpu_ext.available():
         raise SystemExit(f"the C++ kernels are not loaded: {cpu_ext.status()}")
     print(f"host: {cpu_line()}; AVX2+FMA {'yes' if {'avx2', 'fma'} <= set(cpu_ext.cpu_flags().split()) else 'no'}, "
@@ -205,14 +213,7 @@ def main() -> None:
         for name in args.dtype.split(","):
             dtype = getattr(torch, name)
             print(f"{name}: kernels/linear.py takes the C++ linear up to {lin.max_rows(dtype)} rows here")
-            sections = {"linear": [linears], "lm_head": [lm_head, lm_head_packed], "moe": [moe],
-                        "attention": [attention]}
-            out[name] = []
-            for section in args.ops.split(","):
-                if section not in sections:
-                    raise SystemExit(f"--ops: unknown section {section!r} (of {', '.join(sections)})")
-                for fn in sections[section]:
-                    out[name] += fn(dtype, args.reps)
+            out[name] = [row for section in ops for fn in SECTIONS[section] for row in fn(dtype, args.reps)]
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=2))
 
